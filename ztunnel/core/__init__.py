@@ -1,0 +1,1 @@
+"""Pure value types shared by every layer: addresses, SPIFFE identities, errors. No I/O."""

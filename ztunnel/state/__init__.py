@@ -1,0 +1,1 @@
+"""Workloads, services and authorization policies: the mesh as ztunnel knows it."""

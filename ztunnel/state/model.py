@@ -1,0 +1,268 @@
+"""Frozen domain types for workloads, services and policies (the ``istio.workload`` model).
+
+Every config source (the local YAML file, xDS) converts into these types at its boundary; nothing
+past that boundary sees YAML or protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ztunnel.core.addr import IPAddr, IPNet
+from ztunnel.core.identity import Identity
+
+
+class TunnelProtocol(enum.Enum):
+    NONE = 0  # plain TCP ("TCP" in the local config file)
+    HBONE = 1
+
+
+class WorkloadStatus(enum.Enum):
+    HEALTHY = 0
+    UNHEALTHY = 1
+
+
+class WorkloadType(enum.Enum):
+    DEPLOYMENT = 0
+    CRONJOB = 1
+    POD = 2
+    JOB = 3
+
+
+class NetworkMode(enum.Enum):
+    STANDARD = 0
+    HOST_NETWORK = 1
+
+
+class AppTunnelProtocol(enum.Enum):
+    NONE = 0
+    PROXY = 1
+
+
+class LoadBalancerScope(enum.Enum):
+    UNSPECIFIED = 0
+    REGION = 1
+    ZONE = 2
+    SUBZONE = 3
+    NODE = 4
+    CLUSTER = 5
+    NETWORK = 6
+
+
+class LoadBalancerMode(enum.Enum):
+    UNSPECIFIED = 0  # "Standard" in the local config file
+    STRICT = 1
+    FAILOVER = 2
+    PASSTHROUGH = 3
+
+
+class HealthPolicy(enum.Enum):
+    ONLY_HEALTHY = 0
+    ALLOW_ALL = 1
+
+
+class IPFamilies(enum.Enum):
+    AUTOMATIC = 0
+    IPV4_ONLY = 1
+    IPV6_ONLY = 2
+    DUAL = 3
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkAddress:
+    """An IP qualified by the network it lives on (``"<network>/<ip>"`` in the local file)."""
+
+    network: str
+    address: IPAddr
+
+    def __str__(self) -> str:
+        return f"{self.network}/{self.address}"
+
+
+@dataclass(frozen=True, slots=True)
+class NamespacedHostname:
+    namespace: str
+    hostname: str
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayAddress:
+    """A waypoint or network gateway: exactly one of ``address``/``hostname`` is set."""
+
+    address: NetworkAddress | None = None
+    hostname: NamespacedHostname | None = None
+    hbone_mtls_port: int = 15008
+
+
+@dataclass(frozen=True, slots=True)
+class Locality:
+    region: str = ""
+    zone: str = ""
+    subzone: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ApplicationTunnel:
+    protocol: AppTunnelProtocol = AppTunnelProtocol.NONE
+    port: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One workload (usually a pod). ``services`` maps ``"ns/hostname"`` to servicePort->targetPort
+    overrides for this endpoint."""
+
+    uid: str
+    name: str
+    namespace: str
+    addresses: tuple[IPAddr, ...] = ()
+    hostname: str = ""
+    network: str = ""
+    protocol: TunnelProtocol = TunnelProtocol.NONE
+    trust_domain: str = "cluster.local"
+    service_account: str = "default"
+    waypoint: GatewayAddress | None = None
+    network_gateway: GatewayAddress | None = None
+    node: str = ""
+    canonical_name: str = ""
+    canonical_revision: str = ""
+    workload_type: WorkloadType = WorkloadType.DEPLOYMENT
+    workload_name: str = ""
+    native_tunnel: bool = False
+    application_tunnel: ApplicationTunnel | None = None
+    services: dict[str, dict[int, int]] = field(default_factory=dict, hash=False, compare=True)
+    authorization_policies: tuple[str, ...] = ()
+    status: WorkloadStatus = WorkloadStatus.HEALTHY
+    cluster_id: str = "Kubernetes"
+    locality: Locality = Locality()
+    network_mode: NetworkMode = NetworkMode.STANDARD
+    capacity: int = 1
+
+    @property
+    def identity(self) -> Identity:
+        return Identity(self.trust_domain, self.namespace, self.service_account)
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    service_port: int
+    target_port: int  # 0 means "same as the service port unless the endpoint overrides it"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBalancing:
+    routing_preference: tuple[LoadBalancerScope, ...] = ()
+    mode: LoadBalancerMode = LoadBalancerMode.UNSPECIFIED
+    health_policy: HealthPolicy = HealthPolicy.ONLY_HEALTHY
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """A service. Its key (and xDS resource name) is ``"<namespace>/<hostname>"``."""
+
+    name: str
+    namespace: str
+    hostname: str
+    vips: tuple[NetworkAddress, ...] = ()
+    ports: tuple[ServicePort, ...] = ()
+    subject_alt_names: tuple[str, ...] = ()
+    waypoint: GatewayAddress | None = None
+    load_balancing: LoadBalancing | None = None
+    ip_families: IPFamilies = IPFamilies.AUTOMATIC
+    canonical: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.hostname}"
+
+    def target_port(self, service_port: int) -> int | None:
+        """The service-level target port for ``service_port``; None if the port is not exposed."""
+        for p in self.ports:
+            if p.service_port == service_port:
+                return p.target_port or service_port
+        return None
+
+
+# --- Authorization (stored now; evaluated by the authorization issue) -------------------------
+
+
+class PolicyScope(enum.Enum):
+    GLOBAL = 0
+    NAMESPACE = 1
+    WORKLOAD_SELECTOR = 2
+
+
+class PolicyAction(enum.Enum):
+    ALLOW = 0
+    DENY = 1
+
+
+class StringMatchKind(enum.Enum):
+    EXACT = "exact"
+    PREFIX = "prefix"
+    SUFFIX = "suffix"
+    PRESENCE = "presence"
+
+
+@dataclass(frozen=True, slots=True)
+class StringMatch:
+    kind: StringMatchKind
+    value: str = ""
+
+    def matches(self, s: str) -> bool:
+        if self.kind is StringMatchKind.EXACT:
+            return s == self.value
+        if self.kind is StringMatchKind.PREFIX:
+            return s.startswith(self.value)
+        if self.kind is StringMatchKind.SUFFIX:
+            return s.endswith(self.value)
+        return s != ""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceAccountMatch:
+    namespace: str
+    service_account: str
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    namespaces: tuple[StringMatch, ...] = ()
+    not_namespaces: tuple[StringMatch, ...] = ()
+    service_accounts: tuple[ServiceAccountMatch, ...] = ()
+    not_service_accounts: tuple[ServiceAccountMatch, ...] = ()
+    principals: tuple[StringMatch, ...] = ()
+    not_principals: tuple[StringMatch, ...] = ()
+    source_ips: tuple[IPNet, ...] = ()
+    not_source_ips: tuple[IPNet, ...] = ()
+    destination_ips: tuple[IPNet, ...] = ()
+    not_destination_ips: tuple[IPNet, ...] = ()
+    destination_ports: tuple[int, ...] = ()
+    not_destination_ports: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Clause:
+    matches: tuple[Match, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    clauses: tuple[Clause, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Authorization:
+    """An L4 authorization policy. Its key is ``"<namespace>/<name>"`` (namespace "" = global)."""
+
+    name: str
+    namespace: str
+    scope: PolicyScope
+    action: PolicyAction
+    rules: tuple[Rule, ...] = ()
+    dry_run: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
