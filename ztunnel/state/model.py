@@ -147,7 +147,7 @@ class Workload:
 @dataclass(frozen=True, slots=True)
 class ServicePort:
     service_port: int
-    target_port: int  # 0 means "same as the service port unless the endpoint overrides it"
+    target_port: int  # 0: a named port, resolved only by each endpoint's own mapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,10 +177,12 @@ class Service:
         return f"{self.namespace}/{self.hostname}"
 
     def target_port(self, service_port: int) -> int | None:
-        """The service-level target port for ``service_port``; None if the port is not exposed."""
+        """The service-level target port for ``service_port``; None if the port is not exposed.
+
+        0 means a named target port: only a per-endpoint mapping can resolve it (as in Rust)."""
         for p in self.ports:
             if p.service_port == service_port:
-                return p.target_port or service_port
+                return p.target_port
         return None
 
 

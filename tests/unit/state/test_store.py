@@ -1,0 +1,601 @@
+"""State indexes: lookups, re-indexing on upsert/remove, hostname choice, policies, load balancing."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from ztunnel.core.addr import parse_ip
+from ztunnel.state.model import (
+    ApplicationTunnel,
+    Authorization,
+    GatewayAddress,
+    HealthPolicy,
+    LoadBalancerMode,
+    LoadBalancerScope,
+    LoadBalancing,
+    Locality,
+    NamespacedHostname,
+    NetworkAddress,
+    NetworkMode,
+    PolicyAction,
+    PolicyScope,
+    Service,
+    ServicePort,
+    TunnelProtocol,
+    Workload,
+    WorkloadStatus,
+)
+from ztunnel.state.store import ChangeKind, State, StateChange
+
+SVC_KEY = "ns/svc.ns.svc.cluster.local"
+
+
+def na(text: str, network: str = "") -> NetworkAddress:
+    return NetworkAddress(network, parse_ip(text))
+
+
+def wl(
+    name: str, *ips: str, ns: str = "ns", ports: dict[int, int] | None = None, **kw: Any
+) -> Workload:
+    """A pod in ``ns``; ``ports`` makes it an endpoint of SVC_KEY with that port map."""
+    services = kw.pop("services", {SVC_KEY: ports} if ports is not None else {})
+    return Workload(
+        uid=kw.pop("uid", f"c//v1/Pod/{ns}/{name}"),
+        name=name,
+        namespace=ns,
+        addresses=tuple(parse_ip(i) for i in ips),
+        services=services,
+        **kw,
+    )
+
+
+def svc(
+    *vips: str,
+    ns: str = "ns",
+    host: str = "svc.ns.svc.cluster.local",
+    ports: tuple[tuple[int, int], ...] = ((80, 8080),),
+    **kw: Any,
+) -> Service:
+    return Service(
+        name=host.split(".")[0],
+        namespace=ns,
+        hostname=host,
+        vips=tuple(na(v) for v in vips),
+        ports=tuple(ServicePort(a, b) for a, b in ports),
+        **kw,
+    )
+
+
+def pol(
+    name: str, ns: str, scope: PolicyScope, action: PolicyAction = PolicyAction.ALLOW
+) -> Authorization:
+    return Authorization(name=name, namespace=ns, scope=scope, action=action)
+
+
+# --- workload lookups and re-indexing --------------------------------------------------------
+
+
+def test_workload_lookups() -> None:
+    st = State()
+    a = wl("a", "10.0.0.1", "fd00::1", node="n1", service_account="sa-a")
+    st.upsert_workload(a)
+    assert st.find_workload_by_uid(a.uid) is a
+    assert st.find_workload_by_addr(na("10.0.0.1")) is a
+    assert st.find_workload_by_addr(na("fd00::1")) is a
+    assert st.find_workload_by_addr(na("::ffff:10.0.0.1")) is a  # v4-mapped is canonicalised
+    assert st.find_workload_by_addr(na("10.0.0.1", "other-net")) is None
+    assert st.find_workload_by_addr(na("10.0.0.2")) is None
+    assert st.find_workload_by_info("a", "ns", "sa-a") is a
+    assert st.find_workload_by_info("a", "ns", "sa-a", node="n1") is a
+    assert st.find_workload_by_info("a", "ns", "sa-a", node="n2") is None
+    assert st.find_workload_by_info("a", "ns", "default") is None
+    assert st.find_workload_by_info("b", "ns", "sa-a") is None
+    assert list(st.workloads()) == [a]
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "gone", "found"),
+    [
+        # Same uid, new IP: the old IP must stop resolving.
+        (wl("a", "10.0.0.1"), wl("a", "10.0.0.2"), "10.0.0.1", "10.0.0.2"),
+        # Same uid, moved network.
+        (wl("a", "10.0.0.1"), wl("a", "10.0.0.1", network="n2"), "10.0.0.1", None),
+        # Becomes host-network: no longer owns the IP.
+        (
+            wl("a", "10.0.0.1"),
+            wl("a", "10.0.0.1", network_mode=NetworkMode.HOST_NETWORK),
+            "10.0.0.1",
+            None,
+        ),
+    ],
+)
+def test_upsert_reindexes_addresses(
+    first: Workload, second: Workload, gone: str, found: str | None
+) -> None:
+    st = State()
+    st.upsert_workload(first)
+    st.upsert_workload(second)
+    assert st.find_workload_by_addr(na(gone)) is None
+    if found:
+        assert st.find_workload_by_addr(na(found)) is second
+    assert st.find_workload_by_uid(second.uid) is second
+
+
+def test_ip_moves_between_workloads() -> None:
+    st = State()
+    a, b = wl("a", "10.0.0.1"), wl("b")
+    st.upsert_workload(a)
+    st.upsert_workload(b)
+    st.upsert_workload(wl("a"))  # a releases the IP
+    b2 = wl("b", "10.0.0.1")
+    st.upsert_workload(b2)
+    assert st.find_workload_by_addr(na("10.0.0.1")) is b2
+    st.remove_workload(b2.uid)
+    assert st.find_workload_by_addr(na("10.0.0.1")) is None
+
+
+def test_shared_ip_prefers_pods_then_hbone() -> None:
+    st = State()
+    entry = wl("se", "10.0.0.9", uid="c//networking.istio.io/ServiceEntry/ns/se")
+    pod_tcp = wl("p1", "10.0.0.9")
+    pod_hbone = wl("p2", "10.0.0.9", protocol=TunnelProtocol.HBONE)
+    st.upsert_workload(entry)
+    assert st.find_workload_by_addr(na("10.0.0.9")) is entry
+    st.upsert_workload(pod_hbone)
+    st.upsert_workload(pod_tcp)
+    assert st.find_workload_by_addr(na("10.0.0.9")) is pod_hbone
+    st.remove_workload(pod_hbone.uid)
+    assert st.find_workload_by_addr(na("10.0.0.9")) is pod_tcp
+    st.remove_workload(pod_tcp.uid)
+    assert st.find_workload_by_addr(na("10.0.0.9")) is entry
+
+
+def test_remove_workload_cleans_every_index() -> None:
+    st = State()
+    a = wl("a", "10.0.0.1", hostname="a.example.com", ports={80: 8080})
+    st.upsert_workload(a)
+    s = svc("10.96.0.1")
+    st.upsert_service(s)
+    assert st.endpoints(s) == [a]
+    assert st.remove_workload(a.uid) is a
+    assert st.remove_workload(a.uid) is None
+    assert st.find_workload_by_uid(a.uid) is None
+    assert st.find_workload_by_addr(na("10.0.0.1")) is None
+    assert st.find_workload_by_info("a", "ns", "default") is None
+    assert st.find_workload_by_hostname("a.example.com") is None
+    assert st.endpoints(s) == []
+
+
+def test_identity_index_follows_service_account_change() -> None:
+    st = State()
+    st.upsert_workload(wl("a", service_account="old"))
+    st.upsert_workload(wl("a", service_account="new"))
+    assert st.find_workload_by_info("a", "ns", "old") is None
+    assert st.find_workload_by_info("a", "ns", "new") is not None
+
+
+def test_host_network_workload_not_indexed_by_ip() -> None:
+    st = State()
+    st.upsert_workload(wl("h", "192.168.1.10", network_mode=NetworkMode.HOST_NETWORK))
+    assert st.find_workload_by_addr(na("192.168.1.10")) is None
+    assert st.find_workload_by_info("h", "ns", "default") is not None
+
+
+# --- services ------------------------------------------------------------------------------
+
+
+def test_service_lookups_and_vip_reindex() -> None:
+    st = State()
+    s1 = svc("10.96.0.1", "10.96.0.2")
+    st.upsert_service(s1)
+    assert st.find_service_by_vip(na("10.96.0.1")) is s1
+    assert st.find_service(SVC_KEY) is s1
+    s2 = svc("10.96.0.2", "10.96.0.3")  # drops .1, adds .3
+    st.upsert_service(s2)
+    assert st.find_service_by_vip(na("10.96.0.1")) is None
+    assert st.find_service_by_vip(na("10.96.0.2")) is s2
+    assert st.find_service_by_vip(na("10.96.0.3")) is s2
+    assert st.find_service_by_vip(na("10.96.0.3", "elsewhere")) is None
+    assert list(st.services()) == [s2]
+    assert st.remove_service(SVC_KEY) is s2
+    assert st.remove_service(SVC_KEY) is None
+    assert st.find_service_by_vip(na("10.96.0.2")) is None
+    assert st.find_service_by_hostname(s2.hostname) is None
+
+
+def test_removing_service_keeps_vip_taken_over_by_another() -> None:
+    st = State()
+    old = svc("10.96.0.1", host="old.ns.svc.cluster.local")
+    new = svc("10.96.0.1", host="new.ns.svc.cluster.local")
+    st.upsert_service(old)
+    st.upsert_service(new)  # last writer wins, as in Rust
+    assert st.find_service_by_vip(na("10.96.0.1")) is new
+    st.remove_service(old.key)
+    assert st.find_service_by_vip(na("10.96.0.1")) is new
+
+
+def test_find_address_precedence_follows_rust() -> None:
+    # Rust ProxyState::find_address looks up workloads first, then service VIPs.
+    st = State()
+    s = svc("10.0.0.1")
+    w = wl("a", "10.0.0.1")
+    st.upsert_service(s)
+    assert st.find_address(na("10.0.0.1")) is s
+    st.upsert_workload(w)
+    assert st.find_address(na("10.0.0.1")) is w
+    assert st.find_address(na("10.0.0.2")) is None
+
+
+@pytest.mark.parametrize(
+    ("present", "prefer", "want"),
+    [
+        ({"a": False}, None, "a"),
+        ({"a": False}, "zzz", "a"),
+        ({"a": False, "b": False}, "b", "b"),
+        ({"a": False, "b": False}, None, "a"),  # deterministic: lowest namespace
+        ({"a": False, "b": True}, None, "b"),  # canonical wins outside the caller's namespace
+        ({"a": False, "b": True}, "c", "b"),
+        ({"a": False, "b": True}, "a", "a"),  # caller's namespace beats canonical
+        ({"a": False, "b": True, "c": True}, None, "b"),
+    ],
+)
+def test_hostname_preference(present: dict[str, bool], prefer: str | None, want: str) -> None:
+    st = State()
+    for ns in reversed(sorted(present)):  # insertion order must not matter
+        st.upsert_service(svc(ns=ns, host="api.example.com", canonical=present[ns]))
+    got = st.find_service_by_hostname("api.example.com", prefer)
+    assert got is not None and got.namespace == want
+    assert [s.namespace for s in st.find_services_by_hostname("api.example.com")] == sorted(present)
+    assert st.find_service_by_hostname("nope.example.com", prefer) is None
+
+
+def test_hostname_index_cleanup() -> None:
+    st = State()
+    st.upsert_service(svc(ns="a", host="h"))
+    st.upsert_service(svc(ns="b", host="h"))
+    st.remove_service("a/h")
+    got = st.find_service_by_hostname("h", "a")
+    assert got is not None and got.namespace == "b"
+    st.remove_service("b/h")
+    assert st.find_service_by_hostname("h") is None
+
+
+def test_hostname_and_gateway_resolution() -> None:
+    st = State()
+    s = svc("10.96.0.5", ns="ns", host="wp.ns.svc.cluster.local")
+    w = wl("ext", hostname="ext.example.com")
+    st.upsert_service(s)
+    st.upsert_workload(w)
+    assert st.find_hostname("ns", "wp.ns.svc.cluster.local") is s
+    assert st.find_hostname("ns", "ext.example.com") is w
+    assert st.find_hostname("other", "ext.example.com") is None
+    assert st.find_gateway(GatewayAddress(hostname=NamespacedHostname("ns", s.hostname))) is s
+    assert st.find_gateway(GatewayAddress(address=na("10.96.0.5"))) is s
+    assert st.find_gateway(GatewayAddress()) is None
+
+
+def test_endpoints_and_services_for() -> None:
+    st = State()
+    a = wl("a", "10.0.0.1", ports={80: 8080})
+    b = wl("b", "10.0.0.2", services={SVC_KEY: {}, "ns/other": {}})
+    st.upsert_workload(a)  # before the service exists: still indexed
+    st.upsert_workload(b)
+    s = svc()
+    assert st.endpoints(s) == [a, b]
+    st.upsert_service(s)
+    assert st.services_for(b) == [s]  # ns/other is unknown
+    st.upsert_workload(wl("b", "10.0.0.2", services={"ns/other": {}}))  # b leaves the service
+    assert st.endpoints(s) == [a]
+
+
+# --- target ports --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("svc_ports", "ep_ports", "tunnel", "port", "want"),
+    [
+        (((80, 8080),), {}, None, 80, 8080),  # service mapping
+        (((80, 8080),), {80: 9090}, None, 80, 9090),  # endpoint override wins
+        (((80, 0),), {80: 9090}, None, 80, 9090),  # named port resolved per endpoint
+        (((80, 0),), {}, None, 80, None),  # named port the endpoint lacks
+        (((80, 8080),), {}, None, 81, None),  # port not exposed
+        ((), {81: 7070}, None, 81, 7070),  # endpoint mapping alone is enough
+        (((80, 0),), {}, ApplicationTunnel(port=15088), 80, 80),  # app tunnel: service port
+        (((80, 0),), {}, ApplicationTunnel(), 80, None),  # app tunnel without a port
+    ],
+)
+def test_endpoint_target_port(
+    svc_ports: tuple[tuple[int, int], ...],
+    ep_ports: dict[int, int],
+    tunnel: ApplicationTunnel | None,
+    port: int,
+    want: int | None,
+) -> None:
+    st = State()
+    s = svc(ports=svc_ports)
+    w = wl("a", "10.0.0.1", ports=ep_ports, application_tunnel=tunnel)
+    assert st.endpoint_target_port(s, w, port) == want
+
+
+# --- load balancing ------------------------------------------------------------------------
+
+
+def lb_state(*workloads: Workload, service: Service | None = None) -> tuple[State, Service]:
+    st = State(rng=random.Random(7))
+    s = service or svc("10.96.0.1")
+    st.upsert_service(s)
+    for w in workloads:
+        st.upsert_workload(w)
+    return st, s
+
+
+def picks(
+    st: State, s: Service, source: Workload | None, n: int = 400, port: int = 80
+) -> Counter[str]:
+    rng = random.Random(1234)
+    out: Counter[str] = Counter()
+    for _ in range(n):
+        r = st.load_balance(s, port, source, rng)
+        out[r[0].name if r else "-"] += 1
+    return out
+
+
+def test_lb_basic_and_port_checks() -> None:
+    st, s = lb_state(wl("a", "10.0.0.1", ports={}))
+    assert st.load_balance(s, 80, None) == (st.find_workload_by_uid("c//v1/Pod/ns/a"), 8080)
+    assert st.load_balance(s, 81, None) is None  # service does not expose 81
+    st2, s2 = lb_state(service=svc("10.96.0.1"))
+    assert st2.load_balance(s2, 80, None) is None  # no endpoints at all
+
+
+@pytest.mark.parametrize(
+    ("health", "statuses", "want"),
+    [
+        (None, ("H", "U"), {"w0"}),
+        (HealthPolicy.ONLY_HEALTHY, ("H", "U"), {"w0"}),
+        (HealthPolicy.ALLOW_ALL, ("H", "U"), {"w0", "w1"}),
+        (None, ("U", "U"), {"-"}),
+        (HealthPolicy.ALLOW_ALL, ("U",), {"w0"}),
+    ],
+)
+def test_lb_health_policy(
+    health: HealthPolicy | None, statuses: tuple[str, ...], want: set[str]
+) -> None:
+    eps = [
+        wl(
+            f"w{i}",
+            f"10.0.0.{i + 1}",
+            ports={},
+            status=WorkloadStatus.UNHEALTHY if st == "U" else WorkloadStatus.HEALTHY,
+        )
+        for i, st in enumerate(statuses)
+    ]
+    lb = LoadBalancing(health_policy=health) if health is not None else None
+    st, s = lb_state(*eps, service=svc("10.96.0.1", load_balancing=lb))
+    assert set(picks(st, s, None)) == want
+
+
+GW = GatewayAddress(address=na("172.16.0.1", "remote"))
+
+
+@pytest.mark.parametrize(
+    ("ep", "src_network", "usable"),
+    [
+        (wl("e", ports={}), "", False),  # no address, no gateway
+        (wl("e", ports={}, network_gateway=GW), "", False),  # same network: never via gateway
+        (wl("e", ports={}, network="remote", network_gateway=GW), "", True),
+        (wl("e", ports={}, network="remote"), "", False),  # other network, no gateway
+        (wl("e", ports={}, hostname="e.example.com"), "", True),  # DNS-resolved workload
+        (wl("e", "10.0.0.1", ports={}, network="remote"), "", True),  # has IPs: kept
+    ],
+)
+def test_lb_address_requirements(ep: Workload, src_network: str, usable: bool) -> None:
+    st, s = lb_state(ep)
+    source = wl("src", "10.1.0.1", network=src_network)
+    assert (st.load_balance(s, 80, source) is not None) is usable
+
+
+def test_lb_named_target_port_needs_endpoint_mapping() -> None:
+    with_map = wl("m", "10.0.0.1", ports={80: 9000})
+    without = wl("x", "10.0.0.2", ports={})
+    st, s = lb_state(with_map, without, service=svc("10.96.0.1", ports=((80, 0),)))
+    assert picks(st, s, None) == Counter({"m": 400})
+    assert st.load_balance(s, 80, None) == (with_map, 9000)
+
+
+def loc(region: str, zone: str = "", subzone: str = "") -> Locality:
+    return Locality(region, zone, subzone)
+
+
+SRC = wl("src", "10.1.0.1", locality=loc("r1", "z1", "s1"), node="n1", cluster_id="c1", network="")
+# Each endpoint's label says what it shares with SRC.
+EPS = (
+    wl("all", "10.0.0.1", ports={}, locality=loc("r1", "z1", "s1"), node="n1", cluster_id="c1"),
+    wl("zone", "10.0.0.2", ports={}, locality=loc("r1", "z1", "s2"), node="n2", cluster_id="c1"),
+    wl("region", "10.0.0.3", ports={}, locality=loc("r1", "z2", "s1"), node="n1", cluster_id="c1"),
+    wl("none", "10.0.0.4", ports={}, locality=loc("r2", "z1", "s1"), node="n1", cluster_id="c1"),
+)
+R_Z_S = (LoadBalancerScope.REGION, LoadBalancerScope.ZONE, LoadBalancerScope.SUBZONE)
+
+
+@pytest.mark.parametrize(
+    ("mode", "prefs", "endpoints", "want"),
+    [
+        # Standard mode ignores routing preferences entirely.
+        (LoadBalancerMode.UNSPECIFIED, R_Z_S, EPS, {"all", "zone", "region", "none"}),
+        # FAILOVER: best rank only.
+        (LoadBalancerMode.FAILOVER, R_Z_S, EPS, {"all"}),
+        (LoadBalancerMode.FAILOVER, R_Z_S, EPS[1:], {"zone"}),
+        (LoadBalancerMode.FAILOVER, R_Z_S, EPS[2:], {"region"}),
+        # "none" matches zone+subzone but not region: rank stops at the first mismatch -> 0.
+        (LoadBalancerMode.FAILOVER, R_Z_S, EPS[3:], {"none"}),
+        (LoadBalancerMode.FAILOVER, (LoadBalancerScope.ZONE,), EPS, {"all", "zone", "none"}),
+        (LoadBalancerMode.FAILOVER, (LoadBalancerScope.NODE,), EPS, {"all", "region", "none"}),
+        (
+            LoadBalancerMode.FAILOVER,
+            (LoadBalancerScope.CLUSTER, LoadBalancerScope.NETWORK),
+            EPS,
+            {"all", "zone", "region", "none"},
+        ),
+        (LoadBalancerMode.FAILOVER, (), EPS, {"all", "zone", "region", "none"}),
+        # STRICT: only full matches, else nothing.
+        (LoadBalancerMode.STRICT, R_Z_S, EPS, {"all"}),
+        (LoadBalancerMode.STRICT, R_Z_S, EPS[1:], {"-"}),
+        (LoadBalancerMode.STRICT, (LoadBalancerScope.REGION,), EPS, {"all", "zone", "region"}),
+        (
+            LoadBalancerMode.STRICT,
+            (LoadBalancerScope.REGION, LoadBalancerScope.ZONE),
+            EPS[2:],
+            {"-"},
+        ),
+        (LoadBalancerMode.STRICT, (), EPS, {"all", "zone", "region", "none"}),
+    ],
+)
+def test_lb_routing_preference(
+    mode: LoadBalancerMode,
+    prefs: tuple[LoadBalancerScope, ...],
+    endpoints: tuple[Workload, ...],
+    want: set[str],
+) -> None:
+    lb = LoadBalancing(routing_preference=prefs, mode=mode)
+    st, s = lb_state(*endpoints, service=svc("10.96.0.1", load_balancing=lb))
+    assert set(picks(st, s, SRC)) == want
+
+
+def test_lb_network_scope_and_cluster_scope() -> None:
+    near = wl("near", "10.0.0.1", ports={}, network="", cluster_id="c1")
+    far = wl("far", "10.0.0.2", ports={}, network="n2", cluster_id="c1")
+    other_cluster = wl("oc", "10.0.0.3", ports={}, network="", cluster_id="c2")
+    lb = LoadBalancing(
+        routing_preference=(LoadBalancerScope.NETWORK, LoadBalancerScope.CLUSTER),
+        mode=LoadBalancerMode.FAILOVER,
+    )
+    st, s = lb_state(near, far, other_cluster, service=svc("10.96.0.1", load_balancing=lb))
+    assert set(picks(st, s, SRC)) == {"near"}
+    st.remove_workload(near.uid)
+    assert set(picks(st, s, SRC)) == {"oc"}  # network matches, cluster does not: rank 1 > 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "want"),
+    [
+        (LoadBalancerMode.STRICT, {"-"}),
+        (LoadBalancerMode.FAILOVER, {"all", "zone", "region", "none"}),
+    ],
+)
+def test_lb_without_source_ranks_everything_zero(mode: LoadBalancerMode, want: set[str]) -> None:
+    lb = LoadBalancing(routing_preference=R_Z_S, mode=mode)
+    st, s = lb_state(*EPS, service=svc("10.96.0.1", load_balancing=lb))
+    assert set(picks(st, s, None)) == want
+
+
+def test_lb_capacity_weights() -> None:
+    st, s = lb_state(
+        wl("one", "10.0.0.1", ports={}, capacity=1),
+        wl("three", "10.0.0.2", ports={}, capacity=3),
+        wl("zero", "10.0.0.3", ports={}, capacity=0),
+    )
+    n = 8000
+    got = picks(st, s, None, n=n)
+    assert got["zero"] == 0
+    assert got["one"] + got["three"] == n
+    # Expect 25% / 75%; with n=8000 the standard deviation is ~0.5%, so 3% is very safe.
+    assert abs(got["three"] / n - 0.75) < 0.03
+
+
+def test_lb_uniform_is_roughly_even() -> None:
+    st, s = lb_state(*(wl(f"w{i}", f"10.0.0.{i + 1}", ports={}) for i in range(4)))
+    got = picks(st, s, None, n=8000)
+    assert set(got) == {"w0", "w1", "w2", "w3"}
+    assert all(abs(c / 8000 - 0.25) < 0.03 for c in got.values())
+
+
+def test_lb_all_zero_capacity_is_no_upstream() -> None:
+    st, s = lb_state(
+        wl("z1", "10.0.0.1", ports={}, capacity=0), wl("z2", "10.0.0.2", ports={}, capacity=0)
+    )
+    assert st.load_balance(s, 80, None) is None
+
+
+def test_lb_is_deterministic_under_a_seed() -> None:
+    st, s = lb_state(*(wl(f"w{i}", f"10.0.0.{i + 1}", ports={}, capacity=i + 1) for i in range(5)))
+
+    def run(seed: int) -> list[str]:
+        rng = random.Random(seed)
+        return [r[0].name for r in (st.load_balance(s, 80, None, rng) for _ in range(50)) if r]
+
+    assert run(42) == run(42)
+    assert run(42) != run(43)
+    # Without an explicit rng the state's own (seeded at construction) is used.
+    a, sa = lb_state(*(wl(f"w{i}", f"10.0.0.{i + 1}", ports={}) for i in range(5)))
+    b, sb = lb_state(*(wl(f"w{i}", f"10.0.0.{i + 1}", ports={}) for i in range(5)))
+    seq_a = [a.load_balance(sa, 80, None) for _ in range(20)]
+    seq_b = [b.load_balance(sb, 80, None) for _ in range(20)]
+    assert seq_a == seq_b
+
+
+def test_lb_waypoint_mode() -> None:
+    tunnel = wl("wp", "10.0.0.1", ports={}, application_tunnel=ApplicationTunnel(port=15088))
+    plain = wl("plain", "10.0.0.2", ports={})
+    st, s = lb_state(tunnel, plain, service=svc("10.96.0.1", ports=((80, 8080),)))
+    # Port 15008 is not on the service: only app-tunnel endpoints qualify, on the service port.
+    assert st.load_balance(s, 15008, None) is None
+    assert st.load_balance(s, 15008, None, for_waypoint=True) == (tunnel, 15008)
+    assert set(picks(st, s, None)) == {"wp", "plain"}  # port 80 is fine either way
+
+
+# --- policies ------------------------------------------------------------------------------
+
+
+def test_policies_for_workload() -> None:
+    st = State()
+    ns_pol = pol("ns-pol", "ns", PolicyScope.NAMESPACE)
+    other_ns = pol("other", "other", PolicyScope.NAMESPACE)
+    global_pol = pol("mesh", "istio-system", PolicyScope.GLOBAL, PolicyAction.DENY)
+    selector = pol("sel", "ns", PolicyScope.WORKLOAD_SELECTOR)
+    unused_selector = pol("sel2", "ns", PolicyScope.WORKLOAD_SELECTOR)
+    for p in (ns_pol, other_ns, global_pol, selector, unused_selector):
+        st.upsert_policy(p)
+    w = wl("a", authorization_policies=("ns/sel", "ns/missing", "ns/ns-pol"))
+    assert st.policies_for(w) == [ns_pol, global_pol, selector]
+    assert st.find_policy("ns/sel") is selector
+    assert len(list(st.policies())) == 5
+    # A policy whose scope changes is re-indexed.
+    st.upsert_policy(pol("ns-pol", "ns", PolicyScope.WORKLOAD_SELECTOR))
+    assert [p.key for p in st.policies_for(wl("b"))] == ["istio-system/mesh"]
+    assert st.remove_policy("istio-system/mesh") is global_pol
+    assert st.remove_policy("istio-system/mesh") is None
+    assert st.policies_for(wl("b")) == []
+
+
+# --- notifications -------------------------------------------------------------------------
+
+
+def test_subscribe_and_generation() -> None:
+    st = State()
+    seen: list[StateChange] = []
+    unsubscribe = st.subscribe(seen.append)
+    g0 = st.generation
+    a = wl("a", "10.0.0.1")
+    st.upsert_workload(a)
+    st.upsert_service(svc())
+    st.upsert_policy(pol("p", "ns", PolicyScope.NAMESPACE))
+    st.remove_workload(a.uid)
+    st.remove_workload(a.uid)  # nothing to remove: no event
+    assert seen == [
+        StateChange(ChangeKind.WORKLOAD, a.uid),
+        StateChange(ChangeKind.SERVICE, SVC_KEY),
+        StateChange(ChangeKind.POLICY, "ns/p"),
+        StateChange(ChangeKind.WORKLOAD, a.uid, removed=True),
+    ]
+    assert st.generation == g0 + 4
+    unsubscribe()
+    unsubscribe()  # idempotent
+    st.clear()
+    assert len(seen) == 4
+    assert st.generation == g0 + 6
+    assert list(st.services()) == [] and list(st.policies()) == []
