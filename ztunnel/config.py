@@ -1,0 +1,393 @@
+"""The one frozen Config, built from the environment variables the Rust ztunnel reads.
+
+Only this module reads the environment. Every bad value fails at start with the variable's name and
+the reason (``ConfigError``). Names and defaults follow ``istio/ztunnel:src/config.rs``; the few
+Python-only knobs are prefixed ``ZTUNNEL_`` and documented in the README.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+# Ports (istio/ztunnel:src/config.rs). Fixed on the wire: peers dial <pod IP>:15008.
+OUTBOUND_PORT = 15001
+INBOUND_PLAINTEXT_PORT = 15006
+HBONE_PORT = 15008
+DNS_PORT = 15053
+ADMIN_PORT = 15000
+STATS_PORT = 15020
+READINESS_PORT = 15021
+
+# Connections to these ports are ztunnel calling itself (a loop): refused.
+ILLEGAL_PORTS = frozenset({OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT})
+
+DEFAULT_INPOD_MARK = 1337
+DEFAULT_INPOD_UDS = "/var/run/ztunnel/ztunnel.sock"
+DEFAULT_XDS_IN_CLUSTER = "https://istiod.istio-system.svc:15012"
+DEFAULT_XDS_LOCAL = "https://localhost:15012"
+DEFAULT_ROOT_CA = "./var/run/secrets/istio/root-cert.pem"
+DEFAULT_AUTH_TOKEN = "./var/run/secrets/tokens/istio-token"
+
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A bad environment value: names the variable and says why."""
+
+    def __init__(self, var: str, reason: str) -> None:
+        super().__init__(f"{var}: {reason}")
+        self.var = var
+        self.reason = reason
+
+
+class ProxyMode(enum.Enum):
+    SHARED = "shared"  # in-pod: one ztunnel per node, listeners inside each pod's netns
+    DEDICATED = "dedicated"  # one workload, listeners in the process's own netns
+
+
+class CopyMode(enum.Enum):
+    SPLICE = "splice"  # os.splice through pooled pipes where both legs are plain TCP
+    BUFFERED = "buffered"  # userspace copy everywhere (for comparison and odd kernels)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadInfo:
+    """``PROXY_WORKLOAD_INFO=<namespace>/<name>/<service account>``."""
+
+    namespace: str
+    name: str
+    service_account: str
+
+    @classmethod
+    def parse(cls, text: str) -> WorkloadInfo:
+        parts = text.split("/")
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(f"want <namespace>/<name>/<service account>, got {text!r}")
+        return cls(parts[0], parts[1], parts[2])
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    proxy_mode: ProxyMode = ProxyMode.SHARED
+    proxy_workload_info: WorkloadInfo | None = None
+
+    # Identity and placement
+    node_name: str = ""
+    pod_name: str = ""
+    pod_namespace: str = ""
+    service_account: str = ""
+    instance_ip: str = ""
+    trust_domain: str = "cluster.local"
+    cluster_id: str = "Kubernetes"
+    cluster_domain: str = "cluster.local"
+    network: str = ""
+
+    # Config sources
+    local_xds_path: Path | None = None
+    local_xds: str | None = None
+    xds_address: str | None = None  # None: no xDS
+    xds_root_ca: str = DEFAULT_ROOT_CA
+    alt_xds_hostname: str | None = None
+    auth_token: str = DEFAULT_AUTH_TOKEN
+    xds_headers: tuple[tuple[str, str], ...] = ()
+    xds_on_demand: bool = False
+
+    # Certificates
+    ca_address: str | None = None  # None: the local CA
+    ca_root_ca: str = DEFAULT_ROOT_CA
+    alt_ca_hostname: str | None = None
+    ca_headers: tuple[tuple[str, str], ...] = ()
+    fake_ca: bool = False
+    secret_ttl: timedelta = timedelta(hours=24)
+    local_ca_dir: Path | None = None  # ZTUNNEL_LOCAL_CA_DIR: share one local root between processes
+
+    # Data plane
+    packet_mark: int | None = DEFAULT_INPOD_MARK
+    ipv6_enabled: bool = True
+    enable_orig_src: bool | None = None  # None: best effort
+    inpod_uds: Path = Path(DEFAULT_INPOD_UDS)
+    inpod_port_reuse: bool = True
+    localhost_app_tunnel: bool = True
+    enable_response_baggage: bool = True
+    pool_max_streams_per_connection: int = 100
+    pool_unused_release_timeout: timedelta = timedelta(minutes=5)
+    http2_stream_window_size: int = 4 * MiB
+    http2_connection_window_size: int = 16 * MiB
+    http2_frame_size: int = 1 * MiB
+    keepalive_enabled: bool = True
+    keepalive_time: timedelta = timedelta(seconds=180)
+    keepalive_interval: timedelta = timedelta(seconds=180)
+    keepalive_retries: int = 9
+    user_timeout_enabled: bool = False
+    connection_termination_deadline: timedelta = timedelta(seconds=5)
+    copy_mode: CopyMode = CopyMode.SPLICE  # ZTUNNEL_COPY_MODE
+
+    # Observability
+    log_format: str = "plain"
+    rust_log: str = "info"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Config:
+        """Build and validate. Raises ConfigError naming the first bad variable."""
+        return _build(_Env(env))
+
+    def summary(self) -> dict[str, Any]:
+        """The effective config as plain JSON-able values (logged once, shown in config_dump)."""
+        out: dict[str, Any] = {}
+        for k, v in asdict(self).items():
+            if k == "local_xds" and v is not None:
+                v = f"<{len(v)} bytes inline>"
+            out[k] = _jsonable(v)
+        return out
+
+    @property
+    def local_config_given(self) -> bool:
+        return self.local_xds_path is not None or self.local_xds is not None
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, timedelta):
+        return format_duration(v)
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+# --- value parsers ------------------------------------------------------------------------------
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|ns|s|m|h|d)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """Parse ``500ms``, ``5s``, ``1h30m``, ``24h`` (the Rust ``duration_str`` forms) or bare seconds."""
+    t = text.strip().replace(" ", "")
+    if not t:
+        raise ValueError("empty duration")
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        return timedelta(seconds=float(t))
+    pos, total = 0, 0.0
+    for m in _DURATION_PART.finditer(t):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+        pos = m.end()
+    if pos != len(t):
+        raise ValueError(f"invalid duration {text!r} (want e.g. 500ms, 5s, 1h30m)")
+    return timedelta(seconds=total)
+
+
+def format_duration(d: timedelta) -> str:
+    s = d.total_seconds()
+    if s and s < 1:
+        return f"{round(s * 1000)}ms"
+    return f"{s:g}s"
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+class _Env:
+    """Typed accessors over the environment; each raises ConfigError with the variable name."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+
+    def get(self, name: str, default: str = "") -> str:
+        return self.env.get(name, default)
+
+    def opt(self, name: str) -> str | None:
+        return self.env.get(name)
+
+    def flag(self, name: str, default: bool) -> bool:
+        v = self.opt_flag(name)
+        return default if v is None else v
+
+    def opt_flag(self, name: str) -> bool | None:
+        raw = self.env.get(name)
+        if raw is None or raw.strip() == "":
+            return None
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(name, f"want true or false, got {raw!r}")
+
+    def integer(self, name: str, default: int, lo: int = 0, hi: int = 2**31 - 1) -> int:
+        raw = self.env.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        try:
+            v = int(raw.strip(), 0)
+        except ValueError:
+            raise ConfigError(name, f"want an integer, got {raw!r}") from None
+        if not lo <= v <= hi:
+            raise ConfigError(name, f"{v} out of range {lo}..{hi}")
+        return v
+
+    def duration(self, name: str, default: timedelta) -> timedelta:
+        raw = self.env.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        try:
+            return parse_duration(raw)
+        except ValueError as e:
+            raise ConfigError(name, str(e)) from None
+
+    def prefixed(self, prefix: str) -> tuple[tuple[str, str], ...]:
+        return tuple(
+            sorted(
+                (k[len(prefix) :].lower(), v) for k, v in self.env.items() if k.startswith(prefix)
+            )
+        )
+
+
+def _termination_deadline(e: _Env) -> timedelta:
+    if e.opt("CONNECTION_TERMINATION_DEADLINE"):
+        return e.duration("CONNECTION_TERMINATION_DEADLINE", timedelta(seconds=5))
+    if e.opt("TERMINATION_GRACE_PERIOD_SECONDS"):
+        s = e.integer("TERMINATION_GRACE_PERIOD_SECONDS", 0, 0, 10**6)
+        # Leave the kubelet time to SIGKILL after us: s-5 for long grace periods, else s-1, min 1 s.
+        return timedelta(seconds=max(1, s - 5 if s > 10 else s - 1))
+    return timedelta(seconds=5)
+
+
+def _build(e: _Env) -> Config:
+    try:
+        mode = ProxyMode(e.get("PROXY_MODE", "shared").strip().lower())
+    except ValueError:
+        raise ConfigError(
+            "PROXY_MODE", f"want shared or dedicated, got {e.get('PROXY_MODE')!r}"
+        ) from None
+
+    info: WorkloadInfo | None = None
+    if raw_info := e.opt("PROXY_WORKLOAD_INFO"):
+        try:
+            info = WorkloadInfo.parse(raw_info)
+        except ValueError as err:
+            raise ConfigError("PROXY_WORKLOAD_INFO", str(err)) from None
+    if mode is ProxyMode.DEDICATED and info is None:
+        raise ConfigError("PROXY_WORKLOAD_INFO", "required when PROXY_MODE=dedicated")
+
+    local_path = e.opt("LOCAL_XDS_PATH") or None
+    local_inline = e.opt("LOCAL_XDS") or None
+    if local_path and local_inline:
+        raise ConfigError("LOCAL_XDS_PATH", "set either LOCAL_XDS_PATH or LOCAL_XDS, not both")
+    if local_path and not Path(local_path).is_file():
+        raise ConfigError("LOCAL_XDS_PATH", f"no such file {local_path!r}")
+
+    # XDS_ADDRESS: set and empty disables xDS. Unset: local config alone if one is given, else istiod.
+    raw_xds = e.opt("XDS_ADDRESS")
+    xds_address: str | None
+    if raw_xds is not None:
+        xds_address = raw_xds.strip() or None
+    elif local_path or local_inline:
+        xds_address = None
+    else:
+        in_cluster = bool(e.opt("KUBERNETES_SERVICE_HOST"))
+        xds_address = DEFAULT_XDS_IN_CLUSTER if in_cluster else DEFAULT_XDS_LOCAL
+    if xds_address is not None:
+        xds_address = _validate_url("XDS_ADDRESS", xds_address)
+
+    fake_ca = e.flag("FAKE_CA", False)
+    raw_ca = e.opt("CA_ADDRESS")
+    ca_address = None if fake_ca or raw_ca is None or not raw_ca.strip() else raw_ca.strip()
+    if ca_address is not None:
+        ca_address = _validate_url("CA_ADDRESS", ca_address)
+
+    mark_default = DEFAULT_INPOD_MARK
+    packet_mark: int | None = e.integer("PACKET_MARK", mark_default, 0, 2**32 - 1) or None
+
+    ipv6 = e.flag("IPV6_ENABLED", True)
+    ttl = e.duration("SECRET_TTL", timedelta(hours=24))
+    if ttl.total_seconds() <= 0:
+        raise ConfigError("SECRET_TTL", "must be positive")
+
+    try:
+        copy_mode = CopyMode(e.get("ZTUNNEL_COPY_MODE", "splice").strip().lower())
+    except ValueError:
+        raise ConfigError("ZTUNNEL_COPY_MODE", "want splice or buffered") from None
+
+    stream_window = e.integer("HTTP2_STREAM_WINDOW_SIZE", 4 * MiB, 65535, 2**31 - 1)
+    conn_window = e.integer("HTTP2_CONNECTION_WINDOW_SIZE", 16 * MiB, 65535, 2**31 - 1)
+    frame_size = e.integer("HTTP2_FRAME_SIZE", 1 * MiB, 16384, 2**24 - 1)
+
+    log_format = e.get("LOG_FORMAT", "plain").strip().lower() or "plain"
+    if log_format not in ("plain", "json"):
+        raise ConfigError("LOG_FORMAT", f"want plain or json, got {log_format!r}")
+
+    ca_dir = e.opt("ZTUNNEL_LOCAL_CA_DIR")
+
+    return Config(
+        proxy_mode=mode,
+        proxy_workload_info=info,
+        node_name=e.get("NODE_NAME"),
+        pod_name=e.get("POD_NAME"),
+        pod_namespace=e.get("POD_NAMESPACE"),
+        service_account=e.get("SERVICE_ACCOUNT"),
+        instance_ip=e.get("INSTANCE_IP"),
+        trust_domain=e.get("TRUST_DOMAIN", "cluster.local") or "cluster.local",
+        cluster_id=e.opt("CLUSTER_ID") or e.opt("ISTIO_META_CLUSTER_ID") or "Kubernetes",
+        cluster_domain=e.get("CLUSTER_DOMAIN", "cluster.local") or "cluster.local",
+        network=e.get("NETWORK"),
+        local_xds_path=Path(local_path) if local_path else None,
+        local_xds=local_inline,
+        xds_address=xds_address,
+        xds_root_ca=e.get("XDS_ROOT_CA", DEFAULT_ROOT_CA) or DEFAULT_ROOT_CA,
+        alt_xds_hostname=e.opt("ALT_XDS_HOSTNAME") or None,
+        auth_token=e.get("AUTH_TOKEN", DEFAULT_AUTH_TOKEN) or DEFAULT_AUTH_TOKEN,
+        xds_headers=e.prefixed("XDS_HEADER_"),
+        xds_on_demand=e.flag("XDS_ON_DEMAND", False),
+        ca_address=ca_address,
+        ca_root_ca=e.get("CA_ROOT_CA", DEFAULT_ROOT_CA) or DEFAULT_ROOT_CA,
+        alt_ca_hostname=e.opt("ALT_CA_HOSTNAME") or None,
+        ca_headers=e.prefixed("CA_HEADER_"),
+        fake_ca=fake_ca,
+        secret_ttl=ttl,
+        local_ca_dir=Path(ca_dir) if ca_dir else None,
+        packet_mark=packet_mark,
+        ipv6_enabled=ipv6,
+        enable_orig_src=e.opt_flag("ENABLE_ORIG_SRC"),
+        inpod_uds=Path(e.get("INPOD_UDS", DEFAULT_INPOD_UDS) or DEFAULT_INPOD_UDS),
+        inpod_port_reuse=e.flag("INPOD_PORT_REUSE", True),
+        localhost_app_tunnel=e.flag("LOCALHOST_APP_TUNNEL", True),
+        enable_response_baggage=e.flag("ENABLE_RESPONSE_BAGGAGE", True),
+        pool_max_streams_per_connection=e.integer("POOL_MAX_STREAMS_PER_CONNECTION", 100, 1, 10**6),
+        pool_unused_release_timeout=e.duration("POOL_UNUSED_RELEASE_TIMEOUT", timedelta(minutes=5)),
+        http2_stream_window_size=stream_window,
+        http2_connection_window_size=conn_window,
+        http2_frame_size=frame_size,
+        keepalive_enabled=e.flag("KEEPALIVE_ENABLED", True),
+        keepalive_time=e.duration("KEEPALIVE_TIME", timedelta(seconds=180)),
+        keepalive_interval=e.duration("KEEPALIVE_INTERVAL", timedelta(seconds=180)),
+        keepalive_retries=e.integer("KEEPALIVE_RETRIES", 9, 1, 1000),
+        user_timeout_enabled=e.flag("USER_TIMEOUT_ENABLED", False),
+        connection_termination_deadline=_termination_deadline(e),
+        copy_mode=copy_mode,
+        log_format=log_format,
+        rust_log=e.get("RUST_LOG", "info") or "info",
+    )
+
+
+def _validate_url(var: str, url: str) -> str:
+    """Accept ``https://host:port`` or ``host:port`` (then https is implied), as ztunnel does."""
+    if "://" not in url:
+        url = "https://" + url
+    m = re.fullmatch(r"(https?)://([^/:\s]+|\[[0-9a-fA-F:.]+\])(?::(\d+))?/?", url)
+    if not m or (m.group(3) is not None and not 0 < int(m.group(3)) < 65536):
+        raise ConfigError(var, f"invalid address {url!r} (want https://host:port)")
+    return url

@@ -1,0 +1,66 @@
+"""Typed proxy errors. Each carries the metric response flag and, inbound, the HTTP status."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ResponseFlag(enum.Enum):
+    """The ``response_flags`` metric label values (reference 6.1)."""
+
+    NONE = "-"
+    DENY = "DENY"
+    CONNECT = "CONNECT"
+    TLS_FAILURE = "TLS_FAILURE"
+    H2_HANDSHAKE_FAILURE = "H2_HANDSHAKE_FAILURE"
+    NETWORK_POLICY = "NETWORK_POLICY"
+    IDENTITY_ERROR = "IDENTITY_ERROR"
+    CERT_REVOKED = "CERT_REVOKED"
+
+
+class ProxyError(Exception):
+    """A connection-level failure: logged once, counted, never crashes a listener."""
+
+    flag: ResponseFlag = ResponseFlag.NONE
+    status: int = 503  # what an HBONE server answers for it
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class SelfCallError(ProxyError):
+    status = 400
+
+    def __init__(self, target: object) -> None:
+        super().__init__(f"call to ztunnel's own port refused: {target}")
+
+
+class NoHealthyUpstream(ProxyError):
+    def __init__(self, service: str) -> None:
+        super().__init__(f"no healthy upstream for service {service}")
+
+
+class UnsupportedRoute(ProxyError):
+    pass
+
+
+class UpstreamConnectError(ProxyError):
+    flag = ResponseFlag.CONNECT
+    status = 503
+
+
+class AuthorizationDenied(ProxyError):
+    flag = ResponseFlag.DENY
+    status = 401
+
+
+class IdentityError(ProxyError):
+    flag = ResponseFlag.IDENTITY_ERROR
+
+
+class TlsFailure(ProxyError):
+    flag = ResponseFlag.TLS_FAILURE
+
+
+class H2Failure(ProxyError):
+    flag = ResponseFlag.H2_HANDSHAKE_FAILURE

@@ -1,0 +1,107 @@
+"""Logging in ztunnel's shape: ``RUST_LOG``-style level directives, plain text or JSON lines.
+
+Records may carry structured fields in ``extra={"fields": {...}}``; they are rendered as
+``key=value`` pairs (plain) or JSON members, the way ztunnel's tracing output looks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+_LEVELS = {
+    "trace": 5,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "off": logging.CRITICAL + 10,
+}
+logging.addLevelName(5, "TRACE")
+
+# Python logger names for the targets users name in RUST_LOG.
+_TARGET_ALIASES = {"ztunnel": "ztunnel", "access": "access"}
+
+
+def parse_directives(spec: str) -> tuple[int, dict[str, int]]:
+    """``"info,access=debug,ztunnel::proxy=trace"`` -> (root level, {logger: level}).
+
+    Raises ValueError on an unknown level."""
+    root = logging.INFO
+    targets: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        target, sep, level = part.partition("=")
+        if not sep:
+            target, level = "", target
+        lvl = _LEVELS.get(level.strip().lower())
+        if lvl is None:
+            raise ValueError(f"unknown log level {level!r} in {spec!r}")
+        if not target:
+            root = lvl
+        else:
+            name = target.strip().replace("::", ".")
+            targets[_TARGET_ALIASES.get(name, name)] = lvl
+    return root, targets
+
+
+def apply_directives(spec: str) -> None:
+    root, targets = parse_directives(spec)
+    logging.getLogger().setLevel(root)
+    for name in list(logging.root.manager.loggerDict):
+        lg = logging.getLogger(name)
+        if name.startswith(("ztunnel", "access")):
+            lg.setLevel(logging.NOTSET)
+    for name, lvl in targets.items():
+        logging.getLogger(name).setLevel(lvl)
+
+
+def _fmt_value(v: object) -> str:
+    s = str(v)
+    if not s or any(c in s for c in ' ="'):
+        return json.dumps(s)
+    return s
+
+
+class PlainFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        ts += f".{int(record.msecs * 1000):06d}Z"
+        target = "access" if record.name == "access" else record.name.replace(".", "::")
+        line = f"{ts}\t{record.levelname.lower():5}\t{target}\t{record.getMessage()}"
+        fields: dict[str, Any] | None = getattr(record, "fields", None)
+        if fields:
+            line += " " + " ".join(f"{k}={_fmt_value(v)}" for k, v in fields.items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "level": record.levelname.lower(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs * 1000):06d}Z",
+            "scope": "access" if record.name == "access" else record.name.replace(".", "::"),
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if fields:
+            out.update(fields)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup(log_format: str, spec: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else PlainFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    apply_directives(spec)

@@ -1,0 +1,1 @@
+"""Sockets, namespaces and byte copying: the thin I/O layer."""

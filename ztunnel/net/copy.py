@@ -1,0 +1,719 @@
+"""Byte-copy engine between two connected sockets (splice or buffered); it owns and closes both sockets.
+
+Invariants:
+
+* ``copy_bidirectional`` takes ownership of both sockets: whatever happens (clean end, error,
+  cancellation) both are closed when it returns or raises, and every fd callback it registered is
+  removed *before* the fd is closed (closing a registered fd corrupts uvloop/libuv state).
+* Exact half-close: EOF on one side becomes ``shutdown(SHUT_WR)`` on the other side once every byte
+  read before the EOF has been written; the other direction keeps flowing until its own EOF.
+* Any socket error (reset, broken pipe, ...) ends the whole session: both sockets are closed
+  abortively (``SO_LINGER`` 0, so the peers see RST, never a truncated stream that looks clean) and
+  the error is reported in ``CopyResult.error``.
+* Splice path: a pipe is held only while bytes are in flight; it goes back to the caller's
+  ``PipePool`` as soon as it is empty (idle connections hold no pipes). A pipe that still holds data
+  when a session ends is closed, never returned.
+* Runs on any asyncio loop that implements ``add_reader``/``add_writer`` (stdlib selector loop, uvloop).
+  No module-level state: the pipe pool is built by the caller (composition root) and passed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import errno
+import fcntl
+import os
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+__all__ = [
+    "CopyCounters",
+    "CopyResult",
+    "PipePool",
+    "PipePoolStats",
+    "Side",
+    "copy_bidirectional",
+]
+
+Pipe: TypeAlias = tuple[int, int]
+"""A pipe as ``(read_fd, write_fd)``, both non-blocking and close-on-exec."""
+
+_F_SETPIPE_SZ: int = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+# SPLICE_F_MOVE is only a hint (mostly a no-op) but costs nothing. SPLICE_F_NONBLOCK makes the pipe
+# side non-blocking (the sockets are O_NONBLOCK themselves). SPLICE_F_MORE is deliberately NOT used on
+# the pipe->socket leg: it corks the tail segment (like MSG_MORE), and since we always flush the whole
+# pipe there is no "more" we could promise; it would add latency to request/response traffic. HAProxy
+# makes the same choice.
+_SPLICE_FLAGS: int = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+
+# Fairness: at most this many socket->pipe->socket rounds per readable callback (4 MiB with 1 MiB
+# pipes) so one bulk flow cannot starve the loop.
+_SPLICE_ROUNDS = 4
+_SPLICE_CONTINUE_MIN = 1 << 20  # in reader mode, read again only after a full pipe
+# Buffered path: at most this many recv/send rounds per readable callback.
+_BUFFERED_ROUNDS = 8
+
+# Buffer growth, as in istio/ztunnel src/copy.rs: 1 KiB, then 16 KiB - 64 after 128 KiB moved,
+# then 256 KiB - 64 after 10 MiB moved (the -64 leaves room for TLS/h2 framing downstream).
+_INITIAL_BUFFER_SIZE = 1024
+_LARGE_BUFFER_SIZE = 16_384 - 64
+_JUMBO_BUFFER_SIZE = 16 * 16_384 - 64
+_RESIZE_THRESHOLD_LARGE = 128 * 1024
+_RESIZE_THRESHOLD_JUMBO = 10 * 1024 * 1024
+
+_LINGER_ABORT = struct.pack("ii", 1, 0)
+
+
+class Side(enum.Enum):
+    """Which leg of the session a socket error came from."""
+
+    DOWNSTREAM = "downstream"
+    UPSTREAM = "upstream"
+
+
+@dataclass(frozen=True, slots=True)
+class CopyResult:
+    """Outcome of ``copy_bidirectional``: bytes delivered each way and the error that ended it, if any.
+
+    ``error`` is None for a clean end (both directions reached EOF and were half-closed). Peer resets
+    show up here as ``ConnectionResetError``/``BrokenPipeError``; callers decide whether that is
+    worth an error log (a peer disconnect usually is not).
+    """
+
+    down_to_up: int
+    up_to_down: int
+    error: OSError | None = None
+    error_side: Side | None = None
+
+
+class CopyCounters:
+    """Live byte counters for one session (or shared by many), bumped once per chunk written.
+
+    The engine only ever adds to them; readers (metrics scrapes) may read them at any time from the
+    loop thread. ``down_to_up`` counts bytes written to the upstream socket, ``up_to_down`` bytes
+    written to the downstream socket.
+    """
+
+    __slots__ = ("down_to_up", "up_to_down")
+
+    def __init__(self) -> None:
+        self.down_to_up = 0
+        self.up_to_down = 0
+
+    def __repr__(self) -> str:
+        return f"CopyCounters(down_to_up={self.down_to_up}, up_to_down={self.up_to_down})"
+
+
+@dataclass(frozen=True, slots=True)
+class PipePoolStats:
+    """A snapshot of a ``PipePool``'s counters."""
+
+    idle: int
+    """Pipes parked in the pool."""
+    in_use: int
+    """Pipes handed out by ``get()`` and not yet given back."""
+    created: int
+    """Pipes created over the pool's life."""
+    resize_failed: int
+    """Pipes that kept their default size because ``F_SETPIPE_SZ`` failed (e.g. EPERM past
+    ``fs.pipe-user-pages-soft`` for a non-root user)."""
+    create_failed: int
+    """``pipe2`` failures (EMFILE/ENFILE); each made a session fall back to the buffered copy."""
+
+
+class PipePool:
+    """A pool of non-blocking pipes for the splice path; built once by the composition root.
+
+    ``get()`` hands out an empty pipe (creating one, sized to ``pipe_size`` with ``F_SETPIPE_SZ``, when
+    none is idle); ``put()`` takes back an *empty* pipe, keeping at most ``max_idle`` of them;
+    ``discard()`` closes a pipe that may hold data. ``close()`` closes the idle pipes; pipes given
+    back after that are closed too. Not thread-safe: use one pool per event loop.
+
+    Sizing: an unprivileged user may hold at most ``fs.pipe-user-pages-soft`` pages of pipe capacity
+    (64 MiB by default = 64 pipes of 1 MiB, idle ones included). Past that ``F_SETPIPE_SZ`` fails and
+    the pipe keeps its default size (counted in ``stats().resize_failed``); root is exempt.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_create_failed",
+        "_created",
+        "_idle",
+        "_in_use",
+        "_max_idle",
+        "_pipe_size",
+        "_resize_failed",
+    )
+
+    def __init__(self, pipe_size: int = 1 << 20, max_idle: int = 32) -> None:
+        if pipe_size <= 0:
+            raise ValueError(f"pipe_size must be positive, got {pipe_size}")
+        if max_idle < 0:
+            raise ValueError(f"max_idle must be >= 0, got {max_idle}")
+        self._pipe_size = pipe_size
+        self._max_idle = max_idle
+        self._idle: list[Pipe] = []
+        self._in_use = 0
+        self._created = 0
+        self._resize_failed = 0
+        self._create_failed = 0
+        self._closed = False
+
+    @property
+    def pipe_size(self) -> int:
+        """The size requested for each pipe; also the byte count of each socket->pipe splice."""
+        return self._pipe_size
+
+    def get(self) -> Pipe:
+        """Return an empty pipe; raises ``OSError`` (EMFILE, ENFILE, ...) if none can be created."""
+        idle = self._idle
+        if idle:
+            self._in_use += 1
+            return idle.pop()
+        try:
+            r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            self._create_failed += 1
+            raise
+        self._created += 1
+        try:
+            fcntl.fcntl(w, _F_SETPIPE_SZ, self._pipe_size)
+        except OSError:
+            # EPERM past pipe-user-pages-soft (non-root): a small pipe still works, just slower.
+            self._resize_failed += 1
+        self._in_use += 1
+        return r, w
+
+    def put(self, pipe: Pipe) -> None:
+        """Give back a pipe the caller knows to be empty."""
+        self._in_use -= 1
+        if self._closed or len(self._idle) >= self._max_idle:
+            _close_pipe(pipe)
+        else:
+            self._idle.append(pipe)
+
+    def discard(self, pipe: Pipe) -> None:
+        """Give back a pipe that may still hold data: it is closed, never reused."""
+        self._in_use -= 1
+        _close_pipe(pipe)
+
+    def close(self) -> None:
+        """Close every idle pipe; pipes still in use are closed when given back."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for pipe in idle:
+            _close_pipe(pipe)
+
+    def stats(self) -> PipePoolStats:
+        return PipePoolStats(
+            idle=len(self._idle),
+            in_use=self._in_use,
+            created=self._created,
+            resize_failed=self._resize_failed,
+            create_failed=self._create_failed,
+        )
+
+    def __repr__(self) -> str:
+        return f"PipePool(pipe_size={self._pipe_size}, max_idle={self._max_idle}, {self.stats()})"
+
+
+def _close_pipe(pipe: Pipe) -> None:
+    for fd in pipe:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class _Sink(Protocol):
+    """Where the buffered path writes: the seam for a future non-socket destination (an h2 stream).
+
+    ``send`` behaves like non-blocking ``socket.send``: it accepts a prefix of ``data`` and returns its
+    length (may raise ``BlockingIOError`` when nothing fits); it must not keep a reference to ``data``
+    after returning (the buffer is reused). ``wait_writable(cb)`` arranges for ``cb()`` to be called
+    (repeatedly) until ``cancel_wait()``; ``shutdown_write`` is the half-close (FIN / END_STREAM).
+    Closing is the session's job, not the sink's.
+    """
+
+    def send(self, data: memoryview, /) -> int: ...
+
+    def wait_writable(self, cb: Callable[[], None], /) -> None: ...
+
+    def cancel_wait(self) -> None: ...
+
+    def shutdown_write(self) -> None: ...
+
+
+class _SocketSink:
+    """``_Sink`` for a plain non-blocking socket."""
+
+    __slots__ = ("_fd", "_loop", "_sock", "send")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self.send: Callable[[memoryview], int] = sock.send
+
+    def wait_writable(self, cb: Callable[[], None]) -> None:
+        self._loop.add_writer(self._fd, cb)
+
+    def cancel_wait(self) -> None:
+        self._loop.remove_writer(self._fd)
+
+    def shutdown_write(self) -> None:
+        _shutdown_write(self._sock)
+
+
+def _shutdown_write(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError as e:
+        # The peer may already be gone; that is its own way of shutting down (as ztunnel does).
+        if e.errno != errno.ENOTCONN:
+            raise
+
+
+class _Direction:
+    """Common state of one direction: the session, its source/destination socket and counters."""
+
+    __slots__ = (
+        "_counters",
+        "_dst",
+        "_dst_fd",
+        "_fwd",
+        "_loop",
+        "_reading",
+        "_session",
+        "_src",
+        "_src_fd",
+        "_writing",
+        "moved",
+    )
+
+    def __init__(
+        self, session: _Session, src: socket.socket, dst: socket.socket, fwd: bool
+    ) -> None:
+        self._session = session
+        self._loop = session.loop
+        self._counters = session.counters
+        self._src = src
+        self._dst = dst
+        self._src_fd = src.fileno()
+        self._dst_fd = dst.fileno()
+        self._fwd = fwd
+        self._reading = False
+        self._writing = False
+        self.moved = 0
+
+    @property
+    def src_side(self) -> Side:
+        return Side.DOWNSTREAM if self._fwd else Side.UPSTREAM
+
+    @property
+    def dst_side(self) -> Side:
+        return Side.UPSTREAM if self._fwd else Side.DOWNSTREAM
+
+    def start(self) -> None:
+        self._loop.add_reader(self._src_fd, self._on_readable)
+        self._reading = True
+
+    def _on_readable(self) -> None:
+        raise NotImplementedError
+
+    def _count(self, n: int) -> None:
+        self.moved += n
+        if self._fwd:
+            self._counters.down_to_up += n
+        else:
+            self._counters.up_to_down += n
+
+    def _remove_callbacks(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._src_fd)
+        if self._writing:
+            self._writing = False
+            self._loop.remove_writer(self._dst_fd)
+
+    def _finish_eof(self) -> None:
+        """Source hit EOF and everything read was written: half-close the destination."""
+        self._remove_callbacks()
+        try:
+            self._shutdown_dst()
+        except OSError as e:
+            self._session.fail(e, self.dst_side)
+            return
+        self._session.direction_done()
+
+    def _shutdown_dst(self) -> None:
+        _shutdown_write(self._dst)
+
+    def stop(self) -> None:
+        """Remove callbacks and release resources; never raises. Called on session end."""
+        self._remove_callbacks()
+
+
+class _SpliceDirection(_Direction):
+    """socket -> pipe -> socket with ``os.splice``; holds a pipe only while bytes are in it."""
+
+    __slots__ = ("_chunk", "_in_pipe", "_pipe", "_pool")
+
+    def __init__(
+        self, session: _Session, src: socket.socket, dst: socket.socket, fwd: bool, pool: PipePool
+    ) -> None:
+        super().__init__(session, src, dst, fwd)
+        self._pool = pool
+        self._chunk = pool.pipe_size
+        self._pipe: Pipe | None = None
+        self._in_pipe = 0
+
+    def _on_readable(self) -> None:
+        self._pump(False)
+
+    def _on_writable(self) -> None:
+        pipe = self._pipe
+        if pipe is not None and self._in_pipe:
+            try:
+                m = os.splice(pipe[0], self._dst_fd, self._in_pipe, None, None, _SPLICE_FLAGS)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._session.fail(e, self.dst_side)
+                return
+            self._count(m)
+            self._in_pipe -= m
+            if self._in_pipe:
+                return
+        # The pipe is empty. The destination was the bottleneck, so the source very likely has
+        # more: read right away while still registered for write, rather than bouncing through the
+        # loop (one wakeup and two epoll_ctl saved per pipeful).
+        self._pump(True)
+
+    def _pump(self, as_writer: bool) -> None:
+        """Move socket -> pipe -> socket until the source is empty, the destination is full or the
+        round budget is spent. Precondition: the pipe is empty (or not held)."""
+        pipe = self._pipe
+        if pipe is None:
+            try:
+                pipe = self._pool.get()
+            except OSError:
+                # Out of fds (EMFILE/ENFILE): keep the connection, copy this direction with buffers.
+                self._session.fall_back_to_buffered(self)
+                return
+            self._pipe = pipe
+        r, w = pipe
+        src_fd = self._src_fd
+        dst_fd = self._dst_fd
+        chunk = self._chunk
+        splice = os.splice
+        rounds = _SPLICE_ROUNDS
+        # Invariant: the pipe is empty here, so EAGAIN from socket->pipe means "socket empty", never
+        # "pipe full" (the ambiguity HAProxy's splice commit describes).
+        while True:
+            try:
+                n = splice(src_fd, w, chunk, None, None, _SPLICE_FLAGS)
+            except BlockingIOError:
+                # Source drained: give the pipe back and wait for the source.
+                self._release_pipe()
+                if as_writer:
+                    self._writing = False
+                    self._loop.remove_writer(dst_fd)
+                    self._reading = True
+                    self._loop.add_reader(src_fd, self._on_readable)
+                return
+            except OSError as e:
+                self._session.fail(e, self.src_side)
+                return
+            if n == 0:
+                self._release_pipe()
+                self._finish_eof()
+                return
+            try:
+                m = splice(r, dst_fd, n, None, None, _SPLICE_FLAGS)
+            except BlockingIOError:
+                m = 0
+            except OSError as e:
+                self._in_pipe = n
+                self._session.fail(e, self.dst_side)
+                return
+            if m:
+                self._count(m)
+            if m < n:
+                # Destination full: park the rest in the pipe and wait for the destination only.
+                self._in_pipe = n - m
+                if not as_writer:
+                    self._reading = False
+                    self._loop.remove_reader(src_fd)
+                    self._writing = True
+                    self._loop.add_writer(dst_fd, self._on_writable)
+                return
+            rounds -= 1
+            if not rounds or (n < _SPLICE_CONTINUE_MIN and not as_writer):
+                # Budget spent (fairness) or the source looked drained: yield to the loop with
+                # the registration unchanged; level-triggered polling brings us back if needed.
+                self._release_pipe()
+                return
+
+    def _release_pipe(self) -> None:
+        pipe = self._pipe
+        if pipe is not None:
+            self._pipe = None
+            if self._in_pipe:
+                self._in_pipe = 0
+                self._pool.discard(pipe)
+            else:
+                self._pool.put(pipe)
+
+    def stop(self) -> None:
+        self._remove_callbacks()
+        self._release_pipe()
+
+
+class _BufferedDirection(_Direction):
+    """``recv_into`` a per-direction buffer that grows with traffic, then ``send`` it to a sink."""
+
+    __slots__ = ("_buf", "_end", "_recv_into", "_sent", "_sink", "_sink_send")
+
+    def __init__(
+        self,
+        session: _Session,
+        src: socket.socket,
+        dst: socket.socket,
+        fwd: bool,
+        sink: _Sink | None = None,
+    ) -> None:
+        super().__init__(session, src, dst, fwd)
+        self._sink: _Sink = sink if sink is not None else _SocketSink(self._loop, dst)
+        self._sink_send = self._sink.send
+        self._recv_into = src.recv_into
+        self._buf: memoryview | None = None  # allocated on first readable: idle costs nothing
+        self._sent = 0  # pending bytes are self._buf[self._sent:self._end]
+        self._end = 0
+
+    def _buffer_size(self) -> int:
+        moved = self.moved
+        if moved >= _RESIZE_THRESHOLD_JUMBO:
+            return _JUMBO_BUFFER_SIZE
+        if moved >= _RESIZE_THRESHOLD_LARGE:
+            return _LARGE_BUFFER_SIZE
+        return _INITIAL_BUFFER_SIZE
+
+    def _on_readable(self) -> None:
+        self._pump(False)
+
+    def _on_writable(self) -> None:
+        buf = self._buf
+        if buf is not None and self._sent < self._end:
+            try:
+                m = self._sink_send(buf[self._sent : self._end])
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._session.fail(e, self.dst_side)
+                return
+            self._count(m)
+            self._sent += m
+            if self._sent < self._end:
+                return
+        # Drained: read again right away while still registered for write (see _SpliceDirection).
+        self._pump(True)
+
+    def _pump(self, as_writer: bool) -> None:
+        """recv -> send until the source is empty, the sink is full or the round budget is spent.
+        Precondition: nothing pending in the buffer."""
+        want = self._buffer_size()
+        buf = self._buf
+        if buf is None or len(buf) < want:
+            buf = self._buf = memoryview(bytearray(want))
+        size = len(buf)
+        recv_into = self._recv_into
+        send = self._sink_send
+        rounds = _BUFFERED_ROUNDS
+        while True:
+            try:
+                n = recv_into(buf)
+            except BlockingIOError:
+                if as_writer:
+                    self._writing = False
+                    self._sink.cancel_wait()
+                    self._reading = True
+                    self._loop.add_reader(self._src_fd, self._on_readable)
+                return
+            except OSError as e:
+                self._session.fail(e, self.src_side)
+                return
+            if n == 0:
+                self._finish_eof()
+                return
+            data = buf if n == size else buf[:n]
+            try:
+                m = send(data)
+            except BlockingIOError:
+                m = 0
+            except OSError as e:
+                self._session.fail(e, self.dst_side)
+                return
+            if m:
+                self._count(m)
+            if m < n:
+                # Backpressure: keep the rest, stop reading until the sink took it.
+                self._sent = m
+                self._end = n
+                if not as_writer:
+                    self._reading = False
+                    self._loop.remove_reader(self._src_fd)
+                    self._writing = True
+                    self._sink.wait_writable(self._on_writable)
+                return
+            self._sent = self._end = 0
+            rounds -= 1
+            if not rounds or (n < size and not as_writer):
+                return
+            if size < _JUMBO_BUFFER_SIZE and size < self._buffer_size():
+                buf = self._buf = memoryview(bytearray(self._buffer_size()))
+                size = len(buf)
+
+    def _remove_callbacks(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._src_fd)
+        if self._writing:
+            self._writing = False
+            self._sink.cancel_wait()
+
+    def _shutdown_dst(self) -> None:
+        self._sink.shutdown_write()
+
+
+class _Session:
+    """Both directions of one proxied connection; resolves ``done`` exactly once."""
+
+    __slots__ = (
+        "_open",
+        "counters",
+        "directions",
+        "done",
+        "down",
+        "error",
+        "error_side",
+        "loop",
+        "up",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        down: socket.socket,
+        up: socket.socket,
+        counters: CopyCounters,
+    ) -> None:
+        self.loop = loop
+        self.down = down
+        self.up = up
+        self.counters = counters
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.error: OSError | None = None
+        self.error_side: Side | None = None
+        self.directions: list[_Direction] = []
+        self._open = 2
+
+    def start(self, pipes: PipePool | None) -> None:
+        down, up = self.down, self.up
+        if pipes is not None:
+            self.directions = [
+                _SpliceDirection(self, down, up, True, pipes),
+                _SpliceDirection(self, up, down, False, pipes),
+            ]
+        else:
+            self.directions = [
+                _BufferedDirection(self, down, up, True),
+                _BufferedDirection(self, up, down, False),
+            ]
+        for d in self.directions:
+            d.start()
+
+    def fall_back_to_buffered(self, old: _Direction) -> None:
+        """Swap a splice direction (that holds no pipe) for a buffered one, keeping its byte count."""
+        old.stop()
+        new = _BufferedDirection(self, old._src, old._dst, old._fwd)
+        new.moved = old.moved
+        self.directions[self.directions.index(old)] = new
+        new.start()
+
+    def direction_done(self) -> None:
+        self._open -= 1
+        if self._open == 0:
+            self._end(abort=False)
+
+    def fail(self, error: OSError, side: Side) -> None:
+        if self.done.done():
+            return
+        self.error = error
+        self.error_side = side
+        self._end(abort=True)
+
+    def cancel(self) -> None:
+        """The awaiting task was cancelled: tear down abortively (the stream is truncated)."""
+        self._end(abort=True)
+
+    def _end(self, *, abort: bool) -> None:
+        # Callbacks first, then fds: never close an fd that is still registered with the loop.
+        for d in self.directions:
+            d.stop()
+        for sock in (self.down, self.up):
+            _close_socket(sock, abort)
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def result(self) -> CopyResult:
+        fwd, rev = self.directions
+        return CopyResult(fwd.moved, rev.moved, self.error, self.error_side)
+
+
+def _close_socket(sock: socket.socket, abort: bool) -> None:
+    if abort:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ABORT)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+async def copy_bidirectional(
+    downstream: socket.socket,
+    upstream: socket.socket,
+    *,
+    pipes: PipePool | None,
+    counters: CopyCounters | None = None,
+) -> CopyResult:
+    """Copy bytes both ways between two connected sockets until both directions end; close both.
+
+    ``pipes`` selects the path: a ``PipePool`` means zero-copy ``splice`` through pooled pipes;
+    ``None`` means the buffered ``recv_into``/``send`` path. ``counters`` (optional) is updated per
+    chunk as bytes are written, for live metrics.
+
+    Returns when both directions reached EOF (each half-closed the other side), or on the first
+    socket error (both sockets then closed abortively; the error is in the result, not raised).
+    Cancelling the call closes both sockets abortively and releases every pipe.
+    """
+    loop = asyncio.get_running_loop()
+    session = _Session(
+        loop, downstream, upstream, counters if counters is not None else CopyCounters()
+    )
+    try:
+        downstream.setblocking(False)
+        upstream.setblocking(False)
+        session.start(pipes)
+    except BaseException:
+        session.cancel()
+        raise
+    try:
+        await session.done
+    except asyncio.CancelledError:
+        session.cancel()
+        raise
+    return session.result()

@@ -1,0 +1,1 @@
+"""The proxy: pure routing decisions and the listeners that execute them."""

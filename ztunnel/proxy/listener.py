@@ -1,0 +1,159 @@
+"""TCP accept loops that own their connection tasks: accept, dispatch, stop, drain.
+
+A ``Listener`` accepts in batches from a non-blocking listening socket driven by ``add_reader``
+(cheaper than one ``sock_accept`` future per connection) and runs one task per connection. It owns
+those tasks: ``stop_accepting()`` closes the socket at once (so a new ztunnel bound with
+SO_REUSEPORT takes new connections), ``drain(deadline)`` lets running connections finish and cancels
+what is left at the deadline. Running out of file descriptors backs off instead of crashing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger("ztunnel.proxy")
+
+Handler = Callable[[socket.socket], Awaitable[None]]
+
+_ACCEPT_BATCH = 64
+_FD_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_EMFILE_BACKOFF = 0.1
+
+
+def bind_listener(
+    addr: tuple[str, int],
+    *,
+    family: int = socket.AF_INET6,
+    reuse_port: bool = False,
+    transparent: bool = False,
+    backlog: int = 128,
+) -> socket.socket:
+    """Create a non-blocking listening socket. ``[::]`` listeners are dual-stack."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        if transparent:
+            from ztunnel.net.sockopt import set_transparent
+
+            set_transparent(sock, family)
+        sock.bind(addr)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Listener:
+    """Accepts connections on ``sock`` and runs ``handler(conn)`` for each in a task it owns."""
+
+    def __init__(self, sock: socket.socket, handler: Handler, name: str) -> None:
+        self.sock = sock
+        self.name = name
+        self._handler = handler
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = False
+        self._resume: asyncio.TimerHandle | None = None
+        self.accepted = 0
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.sock.getsockname()[:2]
+        return host, port
+
+    @property
+    def active(self) -> int:
+        return len(self._tasks)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._accepting = True
+        self._loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, _addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in _FD_EXHAUSTED:
+                    log.warning("%s: accept failed (%s); pausing accepts", self.name, e)
+                    self._pause_accepting()
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue
+                log.error("%s: accept failed: %s", self.name, e)
+                return
+            conn.setblocking(False)
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.accepted += 1
+            self._spawn(conn)
+
+    def _spawn(self, conn: socket.socket) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(self._run(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, conn: socket.socket) -> None:
+        try:
+            await self._handler(conn)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s: connection handler failed", self.name)
+        finally:
+            # Handlers normally hand the socket to the copy engine, which closes it; this is the
+            # safety net for early failures. close() on a closed socket is a no-op.
+            conn.close()
+
+    def _pause_accepting(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self.sock.fileno())
+        self._resume = self._loop.call_later(_EMFILE_BACKOFF, self._resume_accepting)
+
+    def _resume_accepting(self) -> None:
+        self._resume = None
+        if self._accepting and self._loop is not None:
+            self._loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket now; running connections continue."""
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        if self._accepting and self._loop is not None:
+            self._loop.remove_reader(self.sock.fileno())
+        self._accepting = False
+        self.sock.close()
+
+    async def drain(self, deadline: float) -> int:
+        """Wait up to ``deadline`` seconds for running connections, then cancel the rest.
+
+        Returns how many were cut."""
+        self.stop_accepting()
+        if not self._tasks:
+            return 0
+        _done, pending = await asyncio.wait(set(self._tasks), timeout=deadline)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        return len(pending)
+
+    async def close(self) -> None:
+        """Stop at once: no grace period (a deleted pod)."""
+        await self.drain(0)

@@ -1,0 +1,58 @@
+"""Outbound 15001: recover the original destination, decide the route, execute it."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from ztunnel.core.errors import ProxyError
+from ztunnel.net.copy import copy_bidirectional
+from ztunnel.net.sockopt import original_dst, peer_addr
+from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
+from ztunnel.proxy.route import RouteKind, decide_outbound
+
+log = logging.getLogger("ztunnel.proxy.outbound")
+
+
+class Outbound:
+    def __init__(self, ctx: ProxyContext) -> None:
+        self.ctx = ctx
+
+    async def handle(self, sock: socket.socket) -> None:
+        ctx = self.ctx
+        try:
+            src = peer_addr(sock)
+            dst = original_dst(sock)
+        except OSError:
+            return  # the client is already gone
+        source = ctx.local_workload()
+        try:
+            route = decide_outbound(
+                ctx.state, source, dst, network=ctx.config.network, local_ips=ctx.local_ips
+            )
+        except ProxyError as e:
+            log_failed("outbound", src, dst, e)
+            return
+        rec = ConnectionRecord(
+            "outbound",
+            src,
+            route.target,
+            hbone_addr=route.authority,
+            src_workload=source,
+            dst_workload=route.destination_workload,
+            dst_service=route.destination_service,
+        )
+        if route.kind is RouteKind.HBONE:
+            if ctx.hbone is None:
+                rec.log_complete("HBONE is not available in this build")
+                return
+            await ctx.hbone.proxy_outbound(sock, route, rec)
+            return
+        try:
+            upstream = await ctx.sockets.connect(route.target)
+        except ProxyError as e:
+            rec.log_complete(e)
+            return
+        result = await copy_bidirectional(sock, upstream, pipes=ctx.pipes)
+        rec.bytes_sent, rec.bytes_recv = result.down_to_up, result.up_to_down
+        rec.log_complete(result.error)

@@ -1,0 +1,195 @@
+"""The outbound routing decision: a pure function from (state, source, original destination) to a
+frozen ``Route`` value. No sockets here; the outbound listener executes the value.
+
+Follows istio/ztunnel ``src/proxy/outbound.rs`` (reference 2.7).
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from ztunnel.config import ILLEGAL_PORTS
+from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.core.errors import NoHealthyUpstream, SelfCallError, UnsupportedRoute
+from ztunnel.core.identity import Identity
+from ztunnel.state.model import (
+    GatewayAddress,
+    LoadBalancerMode,
+    NetworkAddress,
+    Service,
+    TunnelProtocol,
+    Workload,
+)
+from ztunnel.state.store import State
+
+
+class RouteKind(enum.Enum):
+    PASSTHROUGH = "passthrough"  # not in the mesh: plain TCP to the original destination
+    DIRECT = "direct"  # a mesh workload that takes plain TCP (tunnel protocol NONE)
+    HBONE = "hbone"  # mTLS + HTTP/2 CONNECT to <ip>:15008
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What to do with one outbound connection."""
+
+    kind: RouteKind
+    target: SocketAddr  # the address actually dialled
+    authority: SocketAddr | None = None  # HBONE: the CONNECT :authority
+    expected_identities: tuple[Identity, ...] = ()  # HBONE: SANs the server may present
+    destination_workload: Workload | None = None
+    destination_service: Service | None = None
+    via_waypoint: bool = False
+
+    def describe(self) -> str:
+        if self.kind is RouteKind.HBONE:
+            return f"hbone {self.target} authority={self.authority}"
+        return f"{self.kind.value} {self.target}"
+
+
+def is_self_call(dst: SocketAddr, local_ips: Collection[IPAddr]) -> bool:
+    """A connection to one of ztunnel's own listener ports on this host would loop forever."""
+    return dst.port in ILLEGAL_PORTS and (
+        dst.ip.is_loopback or dst.ip.is_unspecified or dst.ip in local_ips
+    )
+
+
+def decide_outbound(
+    state: State,
+    source: Workload | None,
+    dst: SocketAddr,
+    *,
+    network: str = "",
+    local_ips: Collection[IPAddr] = (),
+    rng: random.Random | None = None,
+) -> Route:
+    """Decide how to carry a connection from ``source`` to the original destination ``dst``.
+
+    Raises a ProxyError subclass when the connection must be refused.
+    """
+    if is_self_call(dst, local_ips):
+        raise SelfCallError(dst)
+
+    # A service VIP wins over a workload IP here (unlike find_address), as in outbound.rs.
+    net_addr = NetworkAddress(network, dst.ip)
+    svc = state.find_service_by_vip(net_addr)
+    if svc is not None:
+        if svc.waypoint is not None and not _is_waypoint_of(source, svc.waypoint, state):
+            return _to_waypoint(state, svc.waypoint, dst, source, rng, service=svc)
+        picked = state.load_balance(svc, dst.port, source, rng)
+        if picked is None:
+            mode = svc.load_balancing.mode if svc.load_balancing else LoadBalancerMode.UNSPECIFIED
+            if mode is LoadBalancerMode.PASSTHROUGH:
+                return Route(RouteKind.PASSTHROUGH, dst, destination_service=svc)
+            raise NoHealthyUpstream(svc.hostname)
+        endpoint, target_port = picked
+        return _to_workload(endpoint, target_port, svc, network)
+
+    wl = state.find_workload_by_addr(net_addr)
+    if wl is not None:
+        if wl.waypoint is not None and not _is_waypoint_of(source, wl.waypoint, state):
+            return _to_waypoint(state, wl.waypoint, dst, source, rng, workload=wl)
+        return _to_workload(wl, dst.port, None, network, ip=dst.ip)
+
+    return Route(RouteKind.PASSTHROUGH, dst)
+
+
+def _to_workload(
+    wl: Workload, port: int, svc: Service | None, network: str, ip: IPAddr | None = None
+) -> Route:
+    if wl.network != network:
+        raise UnsupportedRoute(
+            f"workload {wl.uid} is on network {wl.network!r}: cross-network (double HBONE) "
+            "routing is not supported yet"
+        )
+    if ip is None:
+        ip = _pick_ip(wl)
+    if wl.protocol is TunnelProtocol.HBONE:
+        expected = (wl.identity, *_service_sans(svc))
+        return Route(
+            RouteKind.HBONE,
+            SocketAddr(ip, 15008),
+            authority=SocketAddr(ip, port),
+            expected_identities=expected,
+            destination_workload=wl,
+            destination_service=svc,
+        )
+    return Route(
+        RouteKind.DIRECT, SocketAddr(ip, port), destination_workload=wl, destination_service=svc
+    )
+
+
+def _pick_ip(wl: Workload) -> IPAddr:
+    if not wl.addresses:
+        raise UnsupportedRoute(
+            f"workload {wl.uid} has no address (DNS-resolved workloads are not supported yet)"
+        )
+    return wl.addresses[0]
+
+
+def _service_sans(svc: Service | None) -> tuple[Identity, ...]:
+    if svc is None:
+        return ()
+    out = []
+    for san in svc.subject_alt_names:
+        try:
+            out.append(Identity.parse(san))
+        except ValueError:
+            continue  # a non-SPIFFE SAN can never match a workload certificate
+    return tuple(out)
+
+
+def _resolve_gateway(
+    state: State, gw: GatewayAddress, source: Workload | None, rng: random.Random | None
+) -> tuple[Workload, Service | None]:
+    found = state.find_gateway(gw)
+    if isinstance(found, Workload):
+        return found, None
+    if isinstance(found, Service):
+        picked = state.load_balance(found, gw.hbone_mtls_port, source, rng, for_waypoint=True)
+        if picked is not None:
+            return picked[0], found
+    raise NoHealthyUpstream(f"waypoint {_gw_name(gw)}")
+
+
+def _gw_name(gw: GatewayAddress) -> str:
+    if gw.hostname is not None:
+        return f"{gw.hostname.namespace}/{gw.hostname.hostname}"
+    return str(gw.address)
+
+
+def _is_waypoint_of(source: Workload | None, gw: GatewayAddress, state: State) -> bool:
+    """Traffic from the waypoint itself must not be sent back to the waypoint."""
+    if source is None:
+        return False
+    found = state.find_gateway(gw)
+    if isinstance(found, Workload):
+        return found.uid == source.uid
+    if isinstance(found, Service):
+        return any(w.uid == source.uid for w in state.endpoints(found))
+    return False
+
+
+def _to_waypoint(
+    state: State,
+    gw: GatewayAddress,
+    dst: SocketAddr,
+    source: Workload | None,
+    rng: random.Random | None,
+    *,
+    service: Service | None = None,
+    workload: Workload | None = None,
+) -> Route:
+    wp, wp_svc = _resolve_gateway(state, gw, source, rng)
+    return Route(
+        RouteKind.HBONE,
+        SocketAddr(_pick_ip(wp), gw.hbone_mtls_port),
+        authority=dst,
+        expected_identities=(wp.identity, *_service_sans(wp_svc)),
+        destination_workload=workload,
+        destination_service=service,
+        via_waypoint=True,
+    )

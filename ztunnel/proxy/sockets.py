@@ -1,0 +1,114 @@
+"""Creating ztunnel's sockets in the right network namespace, marked, and connecting them.
+
+In shared (in-pod) mode every socket for a pod is created inside that pod's netns; the switch
+happens synchronously around ``socket()`` (and ``bind()`` for listeners) and never spans an await,
+so the event loop thread is always back in ztunnel's own namespace when it yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+
+from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.core.errors import UpstreamConnectError
+from ztunnel.net import sockopt
+
+log = logging.getLogger("ztunnel.proxy")
+
+CONNECT_TIMEOUT = 10.0
+
+
+class SocketFactory:
+    """Makes sockets for one proxy: in its netns (``netns_fd``, None = current), with its mark."""
+
+    def __init__(
+        self,
+        *,
+        mark: int | None,
+        netns_fd: int | None = None,
+        keepalive: tuple[timedelta, timedelta, int] | None = None,
+        user_timeout: bool = False,
+    ) -> None:
+        self.mark = mark
+        self.netns_fd = netns_fd
+        self.keepalive = keepalive
+        self.user_timeout = user_timeout
+        self.transparent_ok: bool | None = None  # learnt on first spoofed connect
+
+    @contextlib.contextmanager
+    def _in_ns(self) -> Iterator[None]:
+        if self.netns_fd is None:
+            yield
+            return
+        from ztunnel.net.netns import enter_netns
+
+        with enter_netns(self.netns_fd):
+            yield
+
+    def new_socket(self, family: int) -> socket.socket:
+        with self._in_ns():
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sockopt.set_mark(sock, self.mark)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.keepalive is not None:
+                t, i, n = self.keepalive
+                sockopt.set_keepalive(sock, t, i, n, self.user_timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def listener(self, addr: tuple[str, int], *, family: int, reuse_port: bool, transparent: bool) -> socket.socket:
+        from ztunnel.proxy.listener import bind_listener
+
+        with self._in_ns():
+            return bind_listener(addr, family=family, reuse_port=reuse_port, transparent=transparent)
+
+    async def connect(
+        self,
+        target: SocketAddr,
+        *,
+        spoof_source: IPAddr | None = None,
+        timeout: float = CONNECT_TIMEOUT,
+    ) -> socket.socket:
+        """Connect to ``target``; with ``spoof_source``, bind that IP first (IP_TRANSPARENT) and fall
+        back to a normal connect when the kernel refuses. Raises UpstreamConnectError."""
+        sock = self.new_socket(target.family)
+        try:
+            if spoof_source is not None and spoof_source != target.ip and self.transparent_ok is not False:
+                self._bind_transparent(sock, spoof_source, target.family)
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(timeout):
+                await loop.sock_connect(sock, target.sockaddr())
+        except TimeoutError:
+            sock.close()
+            raise UpstreamConnectError(f"connection to {target} timed out") from None
+        except OSError as e:
+            sock.close()
+            raise UpstreamConnectError(f"connection to {target} failed: {e.strerror or e}") from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _bind_transparent(self, sock: socket.socket, ip: IPAddr, family: int) -> None:
+        if (ip.version == 6) != (family == socket.AF_INET6):
+            return  # a v4 client to a v6 app (or back) cannot be spoofed
+        try:
+            sockopt.set_transparent(sock, family)
+            sock.bind((str(ip), 0))
+            self.transparent_ok = True
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EACCES, errno.EADDRNOTAVAIL, errno.ENOPROTOOPT):
+                raise
+            if self.transparent_ok is None:
+                log.warning("cannot spoof the client source IP (%s); connecting without it", e)
+            self.transparent_ok = False

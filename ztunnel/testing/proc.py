@@ -1,0 +1,137 @@
+"""Run a real ztunnel process inside a test-bed namespace and read its JSON log records."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ztunnel.testing.netns import Host, NsProcess
+
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+Record = dict[str, Any]
+
+
+class ZtunnelProcess:
+    """``python -m ztunnel proxy ztunnel`` in ``host``'s netns with ``LOG_FORMAT=json``.
+
+    Every stdout/stderr line is kept; JSON lines are parsed into ``records``."""
+
+    def __init__(self, host: Host, env: Mapping[str, str], *, loop: str = "uvloop") -> None:
+        self.host = host
+        self.env = dict(env)
+        self.loop = loop
+        self.records: list[Record] = []
+        self.proc: NsProcess | None = None
+        self._cond = threading.Condition()
+        self._eof = False
+        self._reader: threading.Thread | None = None
+
+    def start(self, timeout: float = 15.0) -> ZtunnelProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PROXY_", "LOCAL_XDS"))}
+        env.update(
+            {
+                "LOG_FORMAT": "json",
+                "RUST_LOG": "info,access=debug",
+                "PYTHONPATH": _PROJECT_ROOT,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.env)
+        self.proc = self.host.popen(
+            sys.executable,
+            "-m",
+            "ztunnel",
+            "proxy",
+            "ztunnel",
+            "--loop",
+            self.loop,
+            env=env,
+            stderr=subprocess.STDOUT,
+        )
+        self._reader = threading.Thread(target=self._pump, name="ztunnel-log", daemon=True)
+        self._reader.start()
+        self.wait_for(lambda r: r.get("message") == "ztunnel ready", timeout)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def _pump(self) -> None:
+        """Drain the log pipe continuously: a full pipe would block ztunnel's event loop."""
+        assert self.proc is not None
+        while True:
+            try:
+                line = self.proc.wait_for_line("", timeout=3600)
+            except Exception:
+                break
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = {"message": line, "level": "raw"}
+            with self._cond:
+                self.records.append(rec if isinstance(rec, dict) else {"message": line})
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def wait_for(
+        self, pred: Callable[[Record], bool], timeout: float = 10.0, start: int = 0
+    ) -> Record:
+        """Return the first record from index ``start`` on (already seen or new) matching ``pred``."""
+        deadline = time.monotonic() + timeout
+        i = start
+        with self._cond:
+            while True:
+                while i < len(self.records):
+                    if pred(self.records[i]):
+                        return self.records[i]
+                    i += 1
+                remaining = deadline - time.monotonic()
+                if self._eof or remaining <= 0:
+                    tail = [r.get("message") for r in self.records[-8:]]
+                    why = "ztunnel exited" if self._eof else f"not seen within {timeout}s"
+                    raise TimeoutError(f"ztunnel log record {why}; last: {tail}")
+                self._cond.wait(remaining)
+
+    def access(self, message: str = "connection complete") -> list[Record]:
+        with self._cond:
+            return [
+                r
+                for r in self.records
+                if r.get("scope") == "access" and r.get("message") == message
+            ]
+
+    def runtime_stats(self, timeout: float = 5.0) -> Record:
+        """Ask the process (SIGUSR1) for its task and fd counts."""
+        with self._cond:
+            seen = len(self.records)
+        os.kill(self.pid, signal.SIGUSR1)
+        return self.wait_for(lambda r: r.get("message") == "runtime stats", timeout, start=seen)
+
+    def fd_count(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM and wait for a graceful exit; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.returncode is None:
+            os.kill(self.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.popen.wait(timeout)
+        rc = self.proc.stop()
+        if self._reader is not None:
+            self._reader.join(5)
+        return rc
