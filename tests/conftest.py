@@ -32,7 +32,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if inspect.iscoroutinefunction(metafunc.function):
-        kinds = ["asyncio", "uvloop"] if metafunc.definition.get_closest_marker("both_loops") else ["asyncio"]
+        kinds = (
+            ["asyncio", "uvloop"]
+            if metafunc.definition.get_closest_marker("both_loops")
+            else ["asyncio"]
+        )
         metafunc.fixturenames.append("_loop_kind")
         metafunc.parametrize("_loop_kind", kinds, ids=kinds if len(kinds) > 1 else None)
 
@@ -58,8 +62,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     with asyncio.Runner(loop_factory=_loop_factory(kind)) as runner:
         runner.run(main())
     if errors:
-        pytest.fail(f"event loop exception handler was called: {errors[0].get('message')!r} "
-                    f"{errors[0].get('exception')!r}")
+        pytest.fail(
+            f"event loop exception handler was called: {errors[0].get('message')!r} "
+            f"{errors[0].get('exception')!r}"
+        )
     return True
 
 

@@ -62,12 +62,16 @@ def test_cluster_id_fallback() -> None:
 def test_termination_deadline_from_grace_period(grace: str, deadline: int) -> None:
     c = Config.from_env({"TERMINATION_GRACE_PERIOD_SECONDS": grace})
     assert c.connection_termination_deadline == timedelta(seconds=deadline)
-    c = Config.from_env({"TERMINATION_GRACE_PERIOD_SECONDS": grace, "CONNECTION_TERMINATION_DEADLINE": "7s"})
+    c = Config.from_env(
+        {"TERMINATION_GRACE_PERIOD_SECONDS": grace, "CONNECTION_TERMINATION_DEADLINE": "7s"}
+    )
     assert c.connection_termination_deadline == timedelta(seconds=7)
 
 
 def test_headers_and_flags() -> None:
-    c = Config.from_env({"XDS_HEADER_X-Foo": "a", "CA_HEADER_bar": "b", "FAKE_CA": "true", "CA_ADDRESS": "x:1"})
+    c = Config.from_env(
+        {"XDS_HEADER_X-Foo": "a", "CA_HEADER_bar": "b", "FAKE_CA": "true", "CA_ADDRESS": "x:1"}
+    )
     assert c.xds_headers == (("x-foo", "a"),) and c.ca_headers == (("bar", "b"),)
     assert c.ca_address is None  # FAKE_CA wins
 
@@ -104,7 +108,15 @@ def test_bad_values_name_the_variable(env: dict[str, str], var: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "secs"),
-    [("5s", 5), ("500ms", 0.5), ("1h30m", 5400), ("24h", 86400), ("10", 10), ("1d", 86400), ("2m", 120)],
+    [
+        ("5s", 5),
+        ("500ms", 0.5),
+        ("1h30m", 5400),
+        ("24h", 86400),
+        ("10", 10),
+        ("1d", 86400),
+        ("2m", 120),
+    ],
 )
 def test_parse_duration(text: str, secs: float) -> None:
     assert parse_duration(text).total_seconds() == secs

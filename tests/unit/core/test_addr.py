@@ -14,13 +14,19 @@ def test_canonical_maps_v4_in_v6() -> None:
 
 @pytest.mark.parametrize(
     ("text", "out"),
-    [("1.2.3.4:80", "1.2.3.4:80"), ("[::1]:15008", "[::1]:15008"), ("[::ffff:1.2.3.4]:1", "1.2.3.4:1")],
+    [
+        ("1.2.3.4:80", "1.2.3.4:80"),
+        ("[::1]:15008", "[::1]:15008"),
+        ("[::ffff:1.2.3.4]:1", "1.2.3.4:1"),
+    ],
 )
 def test_socket_addr_roundtrip(text: str, out: str) -> None:
     assert str(SocketAddr.parse(text)) == out
 
 
-@pytest.mark.parametrize("bad", ["1.2.3.4", "::1:80", "[1.2.3.4]:80", "host:80", "1.2.3.4:x", "1.2.3.4:70000", "[::1]80"])
+@pytest.mark.parametrize(
+    "bad", ["1.2.3.4", "::1:80", "[1.2.3.4]:80", "host:80", "1.2.3.4:x", "1.2.3.4:70000", "[::1]80"]
+)
 def test_socket_addr_rejects(bad: str) -> None:
     with pytest.raises(ValueError):
         SocketAddr.parse(bad)
@@ -36,7 +42,12 @@ def test_identity() -> None:
     i = Identity.parse("spiffe://cluster.local/ns/default/sa/sleep")
     assert i == Identity("cluster.local", "default", "sleep")
     assert i.principal == "cluster.local/ns/default/sa/sleep"
-    for bad in ["cluster.local/ns/a/sa/b", "spiffe://td/ns/a/sa", "spiffe://td/ns/a/xx/b", "spiffe://td/ns//sa/b"]:
+    for bad in [
+        "cluster.local/ns/a/sa/b",
+        "spiffe://td/ns/a/sa",
+        "spiffe://td/ns/a/xx/b",
+        "spiffe://td/ns//sa/b",
+    ]:
         with pytest.raises(ValueError):
             Identity.parse(bad)
 

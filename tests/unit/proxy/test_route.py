@@ -195,7 +195,9 @@ def test_cross_network_is_refused_clearly(state: State) -> None:
         route(state, "10.96.0.15:80")
 
 
-@pytest.mark.parametrize("dst", ["127.0.0.1:15001", "[::1]:15008", "0.0.0.0:15006", "10.0.1.2:15001"])
+@pytest.mark.parametrize(
+    "dst", ["127.0.0.1:15001", "[::1]:15008", "0.0.0.0:15006", "10.0.1.2:15001"]
+)
 def test_self_calls_refused(state: State, dst: str) -> None:
     with pytest.raises(SelfCallError):
         route(state, dst, local_ips=frozenset({parse_ip("10.0.1.2")}))
