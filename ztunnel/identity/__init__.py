@@ -1,0 +1,1 @@
+"""Workload identity: certificates, the embedded local CA, the secret manager and HBONE TLS contexts."""
