@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ztunnel import __version__
 from ztunnel.config import (
+    HBONE_PORT,
     INBOUND_PLAINTEXT_PORT,
     OUTBOUND_PORT,
     Config,
@@ -22,8 +23,13 @@ from ztunnel.config import (
     ProxyMode,
 )
 from ztunnel.core.addr import IPAddr, parse_ip
+from ztunnel.core.identity import Identity
+from ztunnel.identity.localca import LocalCA
+from ztunnel.identity.manager import SecretManager
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.context import ProxyContext
+from ztunnel.proxy.hbone_outbound import HboneConnector
+from ztunnel.proxy.inbound import InboundHbone
 from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.outbound import Outbound
@@ -45,6 +51,9 @@ class App:
     state: State = field(default_factory=State)
     listeners: list[Listener] = field(default_factory=list)
     pipes: PipePool | None = None
+    secrets: SecretManager | None = None
+    connectors: list[HboneConnector] = field(default_factory=list)
+    inbound_hbone: list[InboundHbone] = field(default_factory=list)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     # --- build ----------------------------------------------------------------------------------
@@ -78,6 +87,31 @@ class App:
             info.name, info.namespace, info.service_account, self.config.node_name or None
         )
 
+    def _dedicated_identity(self) -> Identity | None:
+        info = self.config.proxy_workload_info
+        if info is None:
+            return None
+        wl = self._dedicated_workload()
+        trust_domain = wl.trust_domain if wl is not None else self.config.trust_domain
+        return Identity(trust_domain, info.namespace, info.service_account)
+
+    def _build_secrets(self) -> SecretManager:
+        cfg = self.config
+        if cfg.ca_address is not None:
+            raise StartupError(
+                f"CA_ADDRESS={cfg.ca_address}: the Istio CA client is not available yet; "
+                "unset CA_ADDRESS to use the local CA"
+            )
+        if cfg.local_ca_dir is not None:
+            ca = LocalCA.load_or_create(
+                cfg.local_ca_dir, trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl
+            )
+            log.info("local CA: root shared through %s", cfg.local_ca_dir)
+        else:
+            ca = LocalCA.ephemeral(trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl)
+            log.info("local CA: ephemeral in-memory root (set ZTUNNEL_LOCAL_CA_DIR to share one)")
+        return SecretManager(ca)
+
     def _local_ips(self) -> frozenset[IPAddr]:
         ips: set[IPAddr] = set()
         if self.config.instance_ip:
@@ -102,13 +136,21 @@ class App:
             sockets=sockets,
             pipes=self.pipes,
             local_workload=self._dedicated_workload,
+            local_identity=self._dedicated_identity,
             local_ips=self._local_ips(),
         )
+        assert self.secrets is not None
+        connector = HboneConnector(cfg, sockets, self.secrets)
+        ctx.hbone = connector
+        inbound = InboundHbone(ctx, self.secrets)
+        self.connectors.append(connector)
+        self.inbound_hbone.append(inbound)
         family = socket.AF_INET6 if cfg.ipv6_enabled and socket.has_ipv6 else socket.AF_INET
         wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
         for port, name, handler in (
             (OUTBOUND_PORT, "outbound", Outbound(ctx).handle),
             (INBOUND_PLAINTEXT_PORT, "inbound_passthrough", InboundPassthrough(ctx).handle),
+            (HBONE_PORT, "inbound", inbound.handle),
         ):
             try:
                 sock = sockets.listener(
@@ -150,6 +192,7 @@ class App:
                 "PROXY_MODE=shared (in-pod) is not available yet; run with PROXY_MODE=dedicated "
                 "and PROXY_WORKLOAD_INFO=<namespace>/<name>/<service account>"
             )
+        self.secrets = self._build_secrets()
         try:
             self._bind_dedicated()
         except BaseException:

@@ -90,7 +90,7 @@ def build(loop: str) -> Iterator[Bed]:
             yield Bed(tb, client, server, ext, zt)
         finally:
             rc = zt.stop()
-            assert rc == 0, f"ztunnel exited with {rc}"
+            assert rc == 0, f"ztunnel exited with {rc}: {zt.internal_errors()}"
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,11 @@ In dedicated mode there is one instance for the process; in shared (in-pod) mode
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from ztunnel.config import Config
 from ztunnel.core.addr import IPAddr, SocketAddr
@@ -18,6 +19,9 @@ from ztunnel.net.copy import PipePool
 from ztunnel.proxy.sockets import SocketFactory
 from ztunnel.state.model import Service, Workload
 from ztunnel.state.store import State
+
+if TYPE_CHECKING:
+    from ztunnel.proxy.route import Route
 
 access_log = logging.getLogger("access")
 
@@ -29,8 +33,15 @@ class ProxyContext:
     sockets: SocketFactory
     pipes: PipePool | None
     local_workload: Callable[[], Workload | None]
+    local_identity: Callable[[], Identity | None] = lambda: None
     local_ips: frozenset[IPAddr] = frozenset()
-    hbone: Any = None  # the HBONE connector, once the HBONE layer is wired in
+    hbone: HboneOutbound | None = None
+
+
+class HboneOutbound(Protocol):
+    async def proxy_outbound(
+        self, sock: socket.socket, route: Route, rec: ConnectionRecord
+    ) -> None: ...
 
 
 @dataclass(slots=True)
@@ -86,5 +97,12 @@ def log_failed(direction: str, src: SocketAddr, dst: SocketAddr, error: BaseExce
     """An early denial, before any upstream was chosen."""
     access_log.warning(
         "connection failed",
-        extra={"fields": {"src.addr": str(src), "dst.addr": str(dst), "direction": direction, "error": str(error)}},
+        extra={
+            "fields": {
+                "src.addr": str(src),
+                "dst.addr": str(dst),
+                "direction": direction,
+                "error": str(error),
+            }
+        },
     )

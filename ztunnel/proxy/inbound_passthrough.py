@@ -34,7 +34,9 @@ class InboundPassthrough:
             "inbound",
             src,
             dst,
-            src_workload=ctx.state.find_workload_by_addr(NetworkAddress(ctx.config.network, src.ip)),
+            src_workload=ctx.state.find_workload_by_addr(
+                NetworkAddress(ctx.config.network, src.ip)
+            ),
             dst_workload=ctx.local_workload(),
         )
         try:

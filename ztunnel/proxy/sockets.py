@@ -66,11 +66,15 @@ class SocketFactory:
             raise
         return sock
 
-    def listener(self, addr: tuple[str, int], *, family: int, reuse_port: bool, transparent: bool) -> socket.socket:
+    def listener(
+        self, addr: tuple[str, int], *, family: int, reuse_port: bool, transparent: bool
+    ) -> socket.socket:
         from ztunnel.proxy.listener import bind_listener
 
         with self._in_ns():
-            return bind_listener(addr, family=family, reuse_port=reuse_port, transparent=transparent)
+            return bind_listener(
+                addr, family=family, reuse_port=reuse_port, transparent=transparent
+            )
 
     async def connect(
         self,
@@ -83,7 +87,11 @@ class SocketFactory:
         back to a normal connect when the kernel refuses. Raises UpstreamConnectError."""
         sock = self.new_socket(target.family)
         try:
-            if spoof_source is not None and spoof_source != target.ip and self.transparent_ok is not False:
+            if (
+                spoof_source is not None
+                and spoof_source != target.ip
+                and self.transparent_ok is not False
+            ):
                 self._bind_transparent(sock, spoof_source, target.family)
             loop = asyncio.get_running_loop()
             async with asyncio.timeout(timeout):
@@ -93,7 +101,9 @@ class SocketFactory:
             raise UpstreamConnectError(f"connection to {target} timed out") from None
         except OSError as e:
             sock.close()
-            raise UpstreamConnectError(f"connection to {target} failed: {e.strerror or e}") from None
+            raise UpstreamConnectError(
+                f"connection to {target} failed: {e.strerror or e}"
+            ) from None
         except BaseException:
             sock.close()
             raise

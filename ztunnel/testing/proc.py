@@ -113,6 +113,17 @@ class ZtunnelProcess:
                 if r.get("scope") == "access" and r.get("message") == message
             ]
 
+    def internal_errors(self) -> list[Record]:
+        """Error records that are not access-log lines: unhandled exceptions, internal failures."""
+        with self._cond:
+            return [
+                r
+                for r in self.records
+                if (r.get("level") == "error" and r.get("scope") != "access")
+                or "exception" in r
+                or "Traceback" in str(r.get("message", ""))
+            ]
+
     def runtime_stats(self, timeout: float = 5.0) -> Record:
         """Ask the process (SIGUSR1) for its task and fd counts."""
         with self._cond:
@@ -124,7 +135,8 @@ class ZtunnelProcess:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM and wait for a graceful exit; returns the exit code."""
+        """SIGTERM and wait for a graceful exit; returns the exit code (-1 if ztunnel logged an
+        internal error, so tests that assert a clean exit also catch those)."""
         if self.proc is None:
             return None
         if self.proc.returncode is None:
@@ -134,4 +146,6 @@ class ZtunnelProcess:
         rc = self.proc.stop()
         if self._reader is not None:
             self._reader.join(5)
+        if rc == 0 and self.internal_errors():
+            return -1
         return rc

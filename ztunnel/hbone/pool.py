@@ -1,0 +1,125 @@
+"""The HBONE connection pool: reuse mTLS HTTP/2 connections across tunnelled TCP connections.
+
+Key = (source identity, expected destination identities, source IP, destination address), as in
+ztunnel's ``WorkloadKey``. A connection takes streams until it holds
+min(``POOL_MAX_STREAMS_PER_CONNECTION``, the peer's SETTINGS_MAX_CONCURRENT_STREAMS); then a new
+one is dialled. Only one dial per key runs at a time; callers arriving meanwhile wait and then
+share it. A connection that breaks or gets GOAWAY leaves the pool at once; one with no streams
+for ``idle_timeout`` is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.core.identity import Identity
+from ztunnel.hbone.transport import HboneConnection
+
+log = logging.getLogger("ztunnel.hbone.pool")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadKey:
+    src_identity: Identity
+    dst_identities: tuple[Identity, ...]
+    src_ip: IPAddr | None
+    dst: SocketAddr
+
+
+Dialer = Callable[[WorkloadKey], Awaitable[HboneConnection]]
+
+
+class ConnectionPool:
+    def __init__(
+        self, dial: Dialer, *, max_streams: int = 100, idle_timeout: float = 300.0
+    ) -> None:
+        self._dial = dial
+        self.max_streams = max_streams
+        self.idle_timeout = idle_timeout
+        self._conns: dict[WorkloadKey, list[HboneConnection]] = {}
+        self._locks: dict[WorkloadKey, asyncio.Lock] = {}
+        self._idle: dict[HboneConnection, asyncio.TimerHandle] = {}
+        self.dials = 0
+
+    def _capacity(self, conn: HboneConnection) -> int:
+        peer = conn.h2.remote_settings.max_concurrent_streams
+        limit = self.max_streams if peer is None else min(self.max_streams, peer)
+        return limit - conn.active_streams
+
+    def _usable(self, conn: HboneConnection) -> bool:
+        return not conn.closed.done() and not conn.goaway and self._capacity(conn) > 0
+
+    def _take(self, key: WorkloadKey) -> HboneConnection | None:
+        for conn in self._conns.get(key, ()):
+            if self._usable(conn):
+                conn.reserve()
+                self._cancel_idle(conn)
+                return conn
+        return None
+
+    async def checkout(self, key: WorkloadKey) -> HboneConnection:
+        """A connection with one stream reserved for the caller (open it with
+        ``open_stream(..., reserved=True)`` or give it back with ``conn.release()``)."""
+        conn = self._take(key)
+        if conn is not None:
+            return conn
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            conn = self._take(key)
+            if conn is not None:
+                return conn
+            self.dials += 1
+            conn = await self._dial(key)
+            self._conns.setdefault(key, []).append(conn)
+            conn.closed.add_done_callback(functools.partial(self._on_closed, key, conn))
+            conn.reserve()
+            return conn
+
+    def stream_done(self, conn: HboneConnection) -> None:
+        """A stream on ``conn`` ended: start the idle clock if it was the last."""
+        if conn.active_streams == 0 and not conn.closed.done():
+            if conn.goaway:
+                conn.close()
+                return
+            self._cancel_idle(conn)
+            loop = asyncio.get_running_loop()
+            self._idle[conn] = loop.call_later(self.idle_timeout, self._expire, conn)
+
+    def _expire(self, conn: HboneConnection) -> None:
+        self._idle.pop(conn, None)
+        if conn.active_streams == 0:
+            log.debug("closing idle HBONE connection")
+            conn.close()
+
+    def _cancel_idle(self, conn: HboneConnection) -> None:
+        timer = self._idle.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _on_closed(self, key: WorkloadKey, conn: HboneConnection, _f: object) -> None:
+        self._cancel_idle(conn)
+        conns = self._conns.get(key)
+        if conns and conn in conns:
+            conns.remove(conn)
+            if not conns:
+                del self._conns[key]
+                lock = self._locks.get(key)
+                if lock is not None and not lock.locked():
+                    del self._locks[key]
+
+    def connections(self, key: WorkloadKey | None = None) -> list[HboneConnection]:
+        if key is not None:
+            return list(self._conns.get(key, ()))
+        return [c for cs in self._conns.values() for c in cs]
+
+    def close(self) -> None:
+        for conn in self.connections():
+            conn.close()
+        for timer in self._idle.values():
+            timer.cancel()
+        self._idle.clear()

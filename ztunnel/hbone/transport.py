@@ -1,0 +1,673 @@
+"""An HBONE connection: TLS 1.3 over a raw non-blocking socket, driving the sans-IO H2Connection.
+
+The lean TLS path: ``ssl.SSLObject`` with memory BIOs, fed from ``recv_into`` a reused 256 KiB
+buffer and drained with ``add_reader``/``add_writer``, so there is no asyncio transport or
+protocol layer between the socket, TLS and HTTP/2. Outgoing HTTP/2 buffers are joined before
+``SSLObject.write`` so that TLS records are full (a 9-byte frame header on its own would cost a
+record of its own), and plaintext is decrypted into one reused buffer that the HTTP/2 parser
+slices without copying.
+
+Each tunnelled TCP connection is one stream, bridged to its socket by ``StreamBridge``:
+TCP bytes become DATA within the peer's flow-control windows, DATA is written to the socket and
+acknowledged (releasing window) only once written, FIN maps to END_STREAM both ways, and a reset
+with NO_ERROR or CANCEL is a clean end. The first connection-level error fails every stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ztunnel.hbone import h2conn as h2
+from ztunnel.net.copy import CopyCounters
+
+log = logging.getLogger("ztunnel.hbone")
+
+_RECV_SIZE = 256 * 1024
+_PLAIN_SIZE = 512 * 1024
+_HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
+_TCP_READ = 256 * 1024
+_HANDSHAKE_TIMEOUT = 10.0
+KEEPALIVE_INTERVAL = 10.0
+KEEPALIVE_TIMEOUT = 20.0
+
+
+class HboneError(Exception):
+    """The HBONE connection or stream failed."""
+
+
+class ConnectionLost(HboneError):
+    pass
+
+
+async def tls_handshake(
+    sock: socket.socket,
+    ctx: ssl.SSLContext,
+    *,
+    server_side: bool,
+    timeout: float = _HANDSHAKE_TIMEOUT,
+) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
+    """Run a TLS handshake on a connected non-blocking socket. No SNI is sent (reference 2.1)."""
+    loop = asyncio.get_running_loop()
+    inbio, outbio = ssl.MemoryBIO(), ssl.MemoryBIO()
+    sslobj = ctx.wrap_bio(inbio, outbio, server_side=server_side, server_hostname=None)
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                sslobj.do_handshake()
+                done = True
+            except ssl.SSLWantReadError:
+                done = False
+            if outbio.pending:
+                await loop.sock_sendall(sock, outbio.read())
+            if done:
+                return sslobj, inbio, outbio
+            data = await loop.sock_recv(sock, 65536)
+            if not data:
+                raise ConnectionLost("peer closed the connection during the TLS handshake")
+            inbio.write(data)
+
+
+@dataclass(slots=True)
+class _PendingWrite:
+    data: memoryview
+    flow: int  # flow-controlled bytes to acknowledge once written
+
+
+class StreamBridge:
+    """Copies one TCP socket <-> one HTTP/2 stream. Owns (and finally closes) the socket."""
+
+    def __init__(
+        self,
+        conn: HboneConnection,
+        stream_id: int,
+        sock: socket.socket,
+        counters: CopyCounters | None,
+    ) -> None:
+        self.conn = conn
+        self.stream_id = stream_id
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.counters = counters or CopyCounters()
+        self.tcp_to_h2 = 0
+        self.h2_to_tcp = 0
+        self._reading = False
+        self._tcp_eof = False  # the TCP side sent FIN (END_STREAM sent to the peer)
+        self._h2_eof = False  # the peer sent END_STREAM
+        self._fin_sent = False  # shutdown(SHUT_WR) done on the TCP side
+        self._pending: list[_PendingWrite] = []
+        self._unsent: memoryview | None = None  # TCP bytes waiting for send window
+        self._writer_armed = False
+        self.done: asyncio.Future[BaseException | None] = conn.loop.create_future()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.done.result() if self.done.done() else None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._resume_reading()
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self.done.done():
+            return
+        loop = self.conn.loop
+        if self._reading:
+            loop.remove_reader(self.fd)
+            self._reading = False
+        if self._writer_armed:
+            loop.remove_writer(self.fd)
+            self._writer_armed = False
+        if error is not None:
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )
+        self.sock.close()
+        self.conn._bridges.pop(self.stream_id, None)
+        self.done.set_result(error)
+
+    def abort(self, error: BaseException) -> None:
+        """Connection-level failure or cancellation: reset the stream, drop the socket."""
+        if self.done.done():
+            return
+        if self.conn.h2.stream_is_open(self.stream_id):
+            with contextlib.suppress(h2.ProtocolError):
+                self.conn.h2.reset_stream(self.stream_id, h2.ErrorCode.CANCEL)
+                self.conn.flush()
+        self._finish(error)
+
+    def _check_done(self) -> None:
+        if (
+            self._tcp_eof
+            and self._h2_eof
+            and self._fin_sent
+            and not self._pending
+            and self._unsent is None
+        ):
+            self._finish(None)
+
+    # --- TCP -> HTTP/2 ---------------------------------------------------------------------
+
+    def _resume_reading(self) -> None:
+        # Bytes still waiting for send window go first; reading more now would reorder them.
+        if (
+            not self._reading
+            and not self._tcp_eof
+            and self._unsent is None
+            and not self.done.done()
+        ):
+            self.conn.loop.add_reader(self.fd, self._on_tcp_readable)
+            self._reading = True
+
+    def _pause_reading(self) -> None:
+        if self._reading:
+            self.conn.loop.remove_reader(self.fd)
+            self._reading = False
+
+    def _on_tcp_readable(self) -> None:
+        conn = self.conn
+        if conn.write_blocked:
+            self._pause_reading()
+            conn._blocked_bridges.add(self)
+            return
+        window = min(conn.h2.stream_send_window(self.stream_id), conn.h2.connection_send_window)
+        if window <= 0:
+            self._pause_reading()  # resumed on WINDOW_UPDATE
+            return
+        try:
+            data = self.sock.recv(min(window, _TCP_READ))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self.abort(e)
+            return
+        if not data:
+            self._pause_reading()
+            self._tcp_eof = True
+            with contextlib.suppress(h2.ProtocolError):
+                conn.h2.end_stream(self.stream_id)
+            conn.flush()
+            self._check_done()
+            return
+        try:
+            sent = conn.h2.send_data(self.stream_id, data)
+        except h2.ProtocolError as e:
+            self.abort(e)
+            return
+        self.tcp_to_h2 += sent
+        self.counters.down_to_up += sent
+        if sent < len(data):
+            self._unsent = memoryview(data)[sent:]
+            self._pause_reading()
+        conn.flush()
+
+    def on_window(self) -> None:
+        """Send capacity grew: push what was waiting, then read TCP again."""
+        if self.done.done():
+            return
+        if self._unsent is not None:
+            try:
+                sent = self.conn.h2.send_data(self.stream_id, self._unsent)
+            except h2.ProtocolError as e:
+                self.abort(e)
+                return
+            self.tcp_to_h2 += sent
+            self.counters.down_to_up += sent
+            self._unsent = self._unsent[sent:] if sent < len(self._unsent) else None
+            self.conn.flush()
+            if self._unsent is not None:
+                return
+            if self._tcp_eof:
+                self._check_done()
+                return
+        self._resume_reading()
+
+    # --- HTTP/2 -> TCP ---------------------------------------------------------------------
+
+    def on_data(self, data: h2.Buffer, flow: int) -> None:
+        if self.done.done():
+            return
+        n = 0
+        if not self._pending:
+            try:
+                n = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as e:
+                self.abort(e)
+                return
+        self.h2_to_tcp += n
+        self.counters.up_to_down += n
+        if n == len(data):
+            self.conn.h2.acknowledge_received_data(self.stream_id, flow)
+            return
+        # The decrypted buffer is reused: keep a private copy of what is left.
+        self._pending.append(_PendingWrite(memoryview(bytes(memoryview(data)[n:])), flow))
+        if not self._writer_armed:
+            self.conn.loop.add_writer(self.fd, self._on_tcp_writable)
+            self._writer_armed = True
+
+    def _on_tcp_writable(self) -> None:
+        acked = False
+        while self._pending:
+            head = self._pending[0]
+            try:
+                n = self.sock.send(head.data)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self.abort(e)
+                return
+            self.h2_to_tcp += n
+            self.counters.up_to_down += n
+            if n < len(head.data):
+                head.data = head.data[n:]
+                break
+            self._pending.pop(0)
+            self.conn.h2.acknowledge_received_data(self.stream_id, head.flow)
+            acked = True
+        if acked:
+            self.conn.flush()
+        if not self._pending:
+            self.conn.loop.remove_writer(self.fd)
+            self._writer_armed = False
+            if self._h2_eof:
+                self._send_fin()
+
+    def on_end_stream(self) -> None:
+        self._h2_eof = True
+        if not self._pending:
+            self._send_fin()
+
+    def _send_fin(self) -> None:
+        if not self._fin_sent:
+            self._fin_sent = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_WR)
+        self._check_done()
+
+    def on_reset(self, code: int) -> None:
+        if h2.is_clean_reset(code):
+            # A clean end: deliver what we have, then FIN; nothing more goes upstream.
+            self._tcp_eof = True
+            self._unsent = None
+            self._pause_reading()
+            self.on_end_stream()
+            if not self.done.done() and not self._pending:
+                self._finish(None)
+        else:
+            self.abort(HboneError(f"stream reset by peer with error code {code}"))
+
+
+class HboneConnection:
+    """One mTLS HTTP/2 connection (client or server side) on a raw socket."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        sslobj: ssl.SSLObject,
+        inbio: ssl.MemoryBIO,
+        outbio: ssl.MemoryBIO,
+        h2c: h2.H2Connection,
+        *,
+        on_request: Callable[[HboneConnection, h2.RequestReceived], None] | None = None,
+        keepalive: bool = True,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.sslobj = sslobj
+        self.inbio = inbio
+        self.outbio = outbio
+        self.h2 = h2c
+        self.on_request = on_request
+        self.peer_der = sslobj.getpeercert(binary_form=True) or b""
+        self._recv_buf = bytearray(_RECV_SIZE)
+        self._recv_view = memoryview(self._recv_buf)
+        self._plain_buf = bytearray(_PLAIN_SIZE)
+        self._plain_view = memoryview(self._plain_buf)
+        self._out: list[memoryview] = []
+        self._out_size = 0
+        self._writer_armed = False
+        self._bridges: dict[int, StreamBridge] = {}
+        self._blocked_bridges: set[StreamBridge] = set()
+        self._responses: dict[int, asyncio.Future[h2.ResponseReceived]] = {}
+        # Events for streams whose bridge is not attached yet (between CONNECT/200 and bridge()).
+        # Bounded by the stream window: nothing is acknowledged until the bridge writes it.
+        self._early: dict[int, list[h2.Event]] = {}
+        self._reserved = 0  # streams promised to callers but not opened yet
+        self.error: BaseException | None = None
+        self.closed: asyncio.Future[BaseException | None] = self.loop.create_future()
+        self.last_active = time.monotonic()
+        self._ping_sent: float | None = None
+        self._keepalive: asyncio.TimerHandle | None = None
+        self.goaway = False
+        self.loop.add_reader(self.fd, self._on_readable)
+        if keepalive:
+            self._keepalive = self.loop.call_later(KEEPALIVE_INTERVAL, self._on_keepalive)
+        self.flush()
+
+    # --- sending ---------------------------------------------------------------------------
+
+    @property
+    def write_blocked(self) -> bool:
+        return self._out_size >= _HIGH_WATER
+
+    def flush(self) -> None:
+        """Encrypt whatever HTTP/2 queued and push it to the socket."""
+        if self.closed.done():
+            return
+        bufs = self.h2.data_to_send()
+        if bufs:
+            data = bufs[0] if len(bufs) == 1 else b"".join(bufs)
+            try:
+                self.sslobj.write(data)
+            except ssl.SSLError as e:
+                self._fail(e)
+                return
+        if self.outbio.pending:
+            cipher = memoryview(self.outbio.read())
+            if not self._out:
+                try:
+                    n = self.sock.send(cipher)
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                except OSError as e:
+                    self._fail(e)
+                    return
+                if n == len(cipher):
+                    return
+                cipher = cipher[n:]
+            self._out.append(cipher)
+            self._out_size += len(cipher)
+            if not self._writer_armed:
+                self.loop.add_writer(self.fd, self._on_writable)
+                self._writer_armed = True
+
+    def _on_writable(self) -> None:
+        while self._out:
+            head = self._out[0]
+            try:
+                n = self.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._fail(e)
+                return
+            self._out_size -= n
+            if n < len(head):
+                self._out[0] = head[n:]
+                return
+            self._out.pop(0)
+        self.loop.remove_writer(self.fd)
+        self._writer_armed = False
+        if self._blocked_bridges:
+            blocked, self._blocked_bridges = self._blocked_bridges, set()
+            for b in blocked:
+                b._resume_reading()
+
+    # --- receiving -------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            self._read_and_dispatch()
+        except Exception as e:  # a bug: fail this connection, keep serving the others
+            log.exception("HBONE connection failed on an internal error")
+            self._fail(e)
+
+    def _read_and_dispatch(self) -> None:
+        try:
+            n = self.sock.recv_into(self._recv_buf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._fail(e)
+            return
+        if n == 0:
+            self._fail(ConnectionLost("peer closed the connection"))
+            return
+        self.last_active = time.monotonic()
+        self.inbio.write(self._recv_view[:n])
+        plain = self._plain_view
+        size = len(plain)
+        while True:
+            got = 0
+            try:
+                while got < size:
+                    # With a buffer, read() returns a count (typeshed says bytes).
+                    k: int = self.sslobj.read(size - got, plain[got:])  # type: ignore[assignment]
+                    if k == 0:
+                        break
+                    got += k
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLZeroReturnError:
+                self._feed(plain[:got])
+                self._fail(ConnectionLost("peer closed the TLS session"))
+                return
+            except ssl.SSLError as e:
+                self._fail(e)
+                return
+            if got:
+                self._feed(plain[:got])
+            if got < size or self.closed.done():
+                break
+        self.flush()
+
+    def _feed(self, data: memoryview) -> None:
+        if self.closed.done():
+            return
+        try:
+            events = self.h2.receive_data(data)
+        except h2.RemoteProtocolError as e:
+            self._dispatch(e.events)
+            self.flush()
+            self._fail(e)
+            return
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[h2.Event]) -> None:
+        for ev in events:
+            t = type(ev)
+            if t is h2.DataReceived:
+                assert isinstance(ev, h2.DataReceived)
+                b = self._bridges.get(ev.stream_id)
+                if b is not None:
+                    b.on_data(ev.data, ev.flow_controlled_length)
+                elif (early := self._early.get(ev.stream_id)) is not None:
+                    # Copied: the decrypt buffer is reused on the next read.
+                    early.append(
+                        h2.DataReceived(ev.stream_id, bytes(ev.data), ev.flow_controlled_length)
+                    )
+                else:
+                    self.h2.acknowledge_received_data(ev.stream_id, ev.flow_controlled_length)
+            elif t is h2.WindowUpdated:
+                assert isinstance(ev, h2.WindowUpdated)
+                if ev.stream_id == 0:
+                    for b in list(self._bridges.values()):
+                        b.on_window()
+                elif (b := self._bridges.get(ev.stream_id)) is not None:
+                    b.on_window()
+            elif t is h2.StreamEnded:
+                assert isinstance(ev, h2.StreamEnded)
+                if (b := self._bridges.get(ev.stream_id)) is not None:
+                    b.on_end_stream()
+                elif (early := self._early.get(ev.stream_id)) is not None:
+                    early.append(ev)
+            elif t is h2.ResponseReceived:
+                assert isinstance(ev, h2.ResponseReceived)
+                fut = self._responses.pop(ev.stream_id, None)
+                if fut is not None and not fut.done():
+                    self._early[ev.stream_id] = []
+                    fut.set_result(ev)
+            elif t is h2.RequestReceived:
+                assert isinstance(ev, h2.RequestReceived)
+                if self.on_request is not None:
+                    self._early[ev.stream_id] = []
+                    self.on_request(self, ev)
+            elif t is h2.StreamReset:
+                assert isinstance(ev, h2.StreamReset)
+                fut = self._responses.pop(ev.stream_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(
+                        HboneError(f"stream reset before response, code {ev.error_code}")
+                    )
+                if (b := self._bridges.get(ev.stream_id)) is not None:
+                    b.on_reset(ev.error_code)
+                elif (early := self._early.get(ev.stream_id)) is not None:
+                    early.append(ev)
+            elif t is h2.PingAcked:
+                self._ping_sent = None
+            elif t is h2.GoAwayReceived:
+                self.goaway = True
+            elif t is h2.ConnectionTerminated:
+                assert isinstance(ev, h2.ConnectionTerminated)
+                self._fail(HboneError(f"HTTP/2 connection terminated: {ev.reason}"))
+
+    # --- keepalive and teardown ------------------------------------------------------------
+
+    def _on_keepalive(self) -> None:
+        self._keepalive = None
+        if self.closed.done():
+            return
+        now = time.monotonic()
+        if self._ping_sent is not None and now - self._ping_sent >= KEEPALIVE_TIMEOUT:
+            self._fail(HboneError("keepalive ping timed out"))
+            return
+        if self._ping_sent is None:
+            self.h2.ping()
+            self._ping_sent = now
+            self.flush()
+        self._keepalive = self.loop.call_later(KEEPALIVE_INTERVAL, self._on_keepalive)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.closed.done():
+            return
+        self.error = error
+        self._teardown(error)
+
+    def _teardown(self, error: BaseException | None) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+        self.loop.remove_reader(self.fd)
+        if self._writer_armed:
+            self.loop.remove_writer(self.fd)
+            self._writer_armed = False
+        exc = error if error is not None else ConnectionLost("connection closed")
+        for fut in self._responses.values():
+            if not fut.done():
+                fut.set_exception(ConnectionLost(f"HBONE connection failed: {exc}"))
+        self._responses.clear()
+        self._early.clear()
+        for b in list(self._bridges.values()):
+            b.abort(exc)
+        self.sock.close()
+        self.closed.set_result(error)
+
+    def close(self) -> None:
+        """Close now: GOAWAY (best effort), then drop the socket; streams fail."""
+        if self.closed.done():
+            return
+        with contextlib.suppress(Exception):
+            self.h2.close()
+            self.flush()
+        self._teardown(None)
+
+    def send_goaway(self) -> None:
+        """Graceful drain: no new streams; existing ones run on."""
+        if self.closed.done() or self.goaway:
+            return
+        self.goaway = True
+        with contextlib.suppress(h2.ProtocolError):
+            self.h2.goaway(h2.ErrorCode.NO_ERROR)
+            self.flush()
+
+    # --- streams ---------------------------------------------------------------------------
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._bridges) + len(self._responses) + self._reserved
+
+    def reserve(self) -> None:
+        self._reserved += 1
+
+    def release(self) -> None:
+        self._reserved -= 1
+
+    async def open_stream(
+        self, authority: str, headers: h2.Headers, *, reserved: bool = False
+    ) -> tuple[int, h2.ResponseReceived]:
+        """Client side: send CONNECT and wait for the response headers.
+
+        ``reserved``: the caller holds a reservation from the pool, converted into this stream."""
+        try:
+            if self.closed.done():
+                raise ConnectionLost(f"HBONE connection is closed: {self.error}")
+            sid = self.h2.open_stream(authority, headers)
+        finally:
+            if reserved:
+                self._reserved -= 1
+        fut: asyncio.Future[h2.ResponseReceived] = self.loop.create_future()
+        self._responses[sid] = fut
+        self.flush()
+        try:
+            return sid, await fut
+        except asyncio.CancelledError:
+            self._responses.pop(sid, None)
+            if self.h2.stream_is_open(sid):
+                self.h2.reset_stream(sid, h2.ErrorCode.CANCEL)
+                self.flush()
+            raise
+
+    def respond(
+        self, stream_id: int, status: int, headers: h2.Headers, *, end_stream: bool
+    ) -> None:
+        if end_stream:
+            self.abandon(stream_id)
+        with contextlib.suppress(h2.ProtocolError):
+            self.h2.send_response(stream_id, status, headers, end_stream=end_stream)
+        self.flush()
+
+    def abandon(self, stream_id: int) -> None:
+        """No bridge will be attached to this stream: release what was buffered for it."""
+        for ev in self._early.pop(stream_id, ()):
+            if isinstance(ev, h2.DataReceived):
+                self.h2.acknowledge_received_data(stream_id, ev.flow_controlled_length)
+
+    async def bridge(
+        self, stream_id: int, sock: socket.socket, counters: CopyCounters | None = None
+    ) -> StreamBridge:
+        """Copy between ``sock`` and the stream until both directions end; closes ``sock``.
+
+        The returned bridge carries the byte counts and ``error`` (None for a clean end)."""
+        b = StreamBridge(self, stream_id, sock, counters)
+        if self.closed.done():
+            b._finish(ConnectionLost(f"HBONE connection is closed: {self.error}"))
+            return b
+        self._bridges[stream_id] = b
+        early = self._early.pop(stream_id, ())
+        b.start()
+        for ev in early:
+            if isinstance(ev, h2.DataReceived):
+                b.on_data(ev.data, ev.flow_controlled_length)
+            elif isinstance(ev, h2.StreamEnded):
+                b.on_end_stream()
+            elif isinstance(ev, h2.StreamReset):
+                b.on_reset(ev.error_code)
+        if early:
+            self.flush()
+        try:
+            await asyncio.shield(b.done)
+        except asyncio.CancelledError:
+            b.abort(ConnectionLost("connection closed due to connection drain"))
+            raise
+        return b

@@ -1,0 +1,181 @@
+"""Inbound HBONE 15008: terminate mTLS and HTTP/2, validate each CONNECT, connect to the app.
+
+Status codes follow istio/ztunnel ``src/proxy/inbound.rs`` (reference 2.3): 400 for a bad method,
+authority or IP mismatch, 503 when the local workload is unknown or the app refuses, 200 then raw
+bytes. Error responses are headers-only with END_STREAM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import time
+
+from ztunnel.config import ILLEGAL_PORTS
+from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.core.errors import ProxyError
+from ztunnel.core.identity import Identity
+from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone.headers import BAGGAGE, baggage
+from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
+from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
+from ztunnel.net.sockopt import local_addr, peer_addr
+from ztunnel.proxy.context import ConnectionRecord, ProxyContext
+from ztunnel.proxy.hbone_outbound import HboneSettings
+from ztunnel.state.model import NetworkAddress, Workload
+
+log = logging.getLogger("ztunnel.proxy.inbound")
+
+LOCAL_WORKLOAD_WAIT = 5.0
+
+
+class InboundHbone:
+    def __init__(self, ctx: ProxyContext, secrets: SecretManager) -> None:
+        self.ctx = ctx
+        self.secrets = secrets
+        self.settings = HboneSettings.from_config(ctx.config)
+        self.connections: set[HboneConnection] = set()
+
+    def send_goaway(self) -> None:
+        """Drain: tell every peer to open no new streams here."""
+        for conn in list(self.connections):
+            conn.send_goaway()
+
+    async def handle(self, sock: socket.socket) -> None:
+        ctx = self.ctx
+        try:
+            src, arrival = peer_addr(sock), local_addr(sock)
+        except OSError:
+            return
+        identity = ctx.local_identity()
+        if identity is None:
+            log.warning("inbound HBONE from %s: no local identity; closing", src)
+            return
+        try:
+            cert = await self.secrets.fetch_certificate(identity)
+            sslobj, inbio, outbio = await tls_handshake(
+                sock, server_context(cert), server_side=True
+            )
+            peer_der = sslobj.getpeercert(binary_form=True) or b""
+            peer_id = verify_client_trust_domain(peer_der, cert.identity.trust_domain)
+        except (CertificateError, TlsIdentityError) as e:
+            log.warning("inbound HBONE from %s rejected: %s", src, e)
+            return
+        except (ssl.SSLError, OSError, HboneError, TimeoutError) as e:
+            log.warning("inbound HBONE from %s: TLS handshake failed: %s", src, e)
+            return
+        tasks: set[asyncio.Task[None]] = set()
+
+        def on_request(conn: HboneConnection, ev: h2.RequestReceived) -> None:
+            task = asyncio.get_running_loop().create_task(
+                self._serve(conn, ev, src, arrival.ip, peer_id)
+            )
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        h2c = h2.H2Connection(
+            client=False,
+            initial_window_size=self.settings.stream_window,
+            connection_window_size=self.settings.connection_window,
+            max_frame_size=self.settings.frame_size,
+            max_concurrent_streams=200,
+        )
+        conn = HboneConnection(sock, sslobj, inbio, outbio, h2c, on_request=on_request)
+        self.connections.add(conn)
+        try:
+            await asyncio.shield(conn.closed)
+            if conn.error is not None and not isinstance(conn.error, HboneError):
+                log.debug("inbound HBONE connection from %s ended: %s", src, conn.error)
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            conn.close()
+            raise
+        finally:
+            self.connections.discard(conn)
+
+    async def _local_workload(self) -> Workload | None:
+        deadline = time.monotonic() + LOCAL_WORKLOAD_WAIT
+        while True:
+            wl = self.ctx.local_workload()
+            if wl is not None or time.monotonic() >= deadline:
+                return wl
+            await asyncio.sleep(0.05)
+
+    async def _serve(
+        self,
+        conn: HboneConnection,
+        ev: h2.RequestReceived,
+        src: SocketAddr,
+        arrival: IPAddr,
+        peer_id: Identity,
+    ) -> None:
+        ctx = self.ctx
+        sid = ev.stream_id
+
+        def reject(status: int, why: str, rec: ConnectionRecord | None = None) -> None:
+            conn.respond(sid, status, [], end_stream=True)
+            if rec is not None:
+                rec.log_complete(why)
+            else:
+                log.warning(
+                    "inbound HBONE request rejected",
+                    extra={"fields": {"src.addr": str(src), "status": status, "error": why}},
+                )
+
+        bad = h2.connect_request_error(ev)
+        if bad is not None:
+            reject(400, bad)
+            return
+        assert ev.authority is not None
+        try:
+            target = SocketAddr.parse(ev.authority)
+        except ValueError:
+            reject(400, f"invalid authority {ev.authority!r}")
+            return
+        local = await self._local_workload()
+        rec = ConnectionRecord(
+            "inbound",
+            src,
+            target,
+            hbone_addr=target,
+            src_workload=ctx.state.find_workload_by_addr(
+                NetworkAddress(ctx.config.network, src.ip)
+            ),
+            dst_workload=local,
+            src_identity=peer_id,
+            dst_identity=ctx.local_identity(),
+        )
+        if local is None:
+            reject(503, "failed to fetch information about local workload", rec)
+            return
+        if target.ip != arrival and target.ip not in local.addresses:
+            reject(400, f"authority IP {target.ip} does not match the destination {arrival}", rec)
+            return
+        if target.port in ILLEGAL_PORTS:
+            reject(400, f"call to ztunnel's own port refused: {target}", rec)
+            return
+        try:
+            upstream = await ctx.sockets.connect(target, spoof_source=src.ip)
+        except ProxyError as e:
+            reject(503, str(e), rec)
+            return
+        headers: list[tuple[str, str]] = []
+        if ctx.config.enable_response_baggage and (bag := baggage(local, ctx.config.cluster_id)):
+            headers.append((BAGGAGE, bag))
+        conn.respond(sid, 200, headers, end_stream=False)
+        try:
+            bridge = await conn.bridge(sid, upstream)
+        except asyncio.CancelledError:
+            rec.log_complete("connection closed due to connection drain")
+            raise
+        # Inbound: "sent" is what the local app sent back.
+        rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
+        rec.log_complete(bridge.error)
