@@ -186,7 +186,7 @@ class ZdsClient:
                 await self.serve(sock)
                 log.info("zds: node agent closed the connection")
             except ZdsProtocolError as e:
-                log.error("zds: protocol error, reconnecting: %s", e)
+                log.warning("zds: protocol error, reconnecting: %s", e)
             except ZdsHandlerError as e:
                 log.error("zds: handler failed, reconnecting: %s", e)
             except OSError as e:
@@ -268,7 +268,7 @@ class ZdsClient:
                     decision.uid, decision.workload_info, decision.netns_fd
                 )
                 if error:
-                    log.error("zds: failed to start proxy uid=%s: %s", decision.uid, error)
+                    log.warning("zds: failed to start proxy uid=%s: %s", decision.uid, error)
                     return f"failure to start proxy: {error}"
                 return None
             if isinstance(decision, KeepProxy):

@@ -34,7 +34,7 @@ class ProxyContext:
     pipes: PipePool | None
     local_workload: Callable[[], Workload | None]
     local_identity: Callable[[], Identity | None] = lambda: None
-    local_ips: frozenset[IPAddr] = frozenset()
+    local_ips: Callable[[], frozenset[IPAddr]] = frozenset
     hbone: HboneOutbound | None = None
 
 

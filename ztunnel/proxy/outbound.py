@@ -28,7 +28,7 @@ class Outbound:
         source = ctx.local_workload()
         try:
             route = decide_outbound(
-                ctx.state, source, dst, network=ctx.config.network, local_ips=ctx.local_ips
+                ctx.state, source, dst, network=ctx.config.network, local_ips=ctx.local_ips()
             )
         except ProxyError as e:
             log_failed("outbound", src, dst, e)

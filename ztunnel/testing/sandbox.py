@@ -2,22 +2,28 @@
 
 Run as root: ``python -m ztunnel.testing.sandbox``. It builds node1 (pods ``sleep``, in the mesh,
 and ``legacy``, not in the mesh) and node2 (pod ``echo``, in the mesh, behind the service VIP
-10.96.0.10:80), plus a host outside the mesh, installs istio-cni's in-pod rules in the mesh pods,
-starts ztunnel with the bundled config (``ztunnel/examples/sandbox.yaml``) and the local CA, sends
-traffic, prints what ztunnel logged, and tears everything down (also on Ctrl-C).
+10.96.0.10:80), plus a host outside the mesh. Each node runs one ztunnel in shared (in-pod) mode,
+fed over ZDS by a node agent (``ztunnel.testing.nodeagent``) that installs istio-cni's in-pod
+rules and hands over each mesh pod's network namespace. ztunnel uses the bundled config
+(``ztunnel/examples/sandbox.yaml``) and the local CA. The sandbox sends traffic, prints what
+ztunnel logged, and tears everything down (also on Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ztunnel.inpod.protocol import WorkloadInfo
 from ztunnel.testing.apps import connect_from, recv_line, start_app
 from ztunnel.testing.netns import Testbed
+from ztunnel.testing.nodeagent import FakeNodeAgent
 from ztunnel.testing.proc import Record, ZtunnelProcess
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "sandbox.yaml"
@@ -60,7 +66,9 @@ def _describe(rec: Record) -> str:
 
 
 def run(loop: str) -> int:
-    with Testbed() as tb, tempfile.TemporaryDirectory(prefix="ztunnel-ca-") as ca_dir:
+    with contextlib.ExitStack() as stack:
+        tb = stack.enter_context(Testbed())
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ztunnel-sandbox-"))
         t0 = time.monotonic()
         node1, node2 = tb.add_node("node1"), tb.add_node("node2")
         sleep, legacy = node1.add_pod("sleep"), node1.add_pod("legacy", ambient=False)
@@ -71,36 +79,32 @@ def run(loop: str) -> int:
                 raise SystemExit(
                     f"test bed gave {pod.name} {pod.ip4}, the bundled config expects {want}"
                 )
-        for pod in (sleep, echo):
-            pod.install_inpod_rules()
         _say(
-            f"cluster: node1[sleep {sleep.ip4}, legacy {legacy.ip4} (not in mesh)], node2[echo {echo.ip4}], "
-            f"outside host {ext.ip4}; service echo.default.svc.cluster.local = 10.96.0.10:80"
+            f"cluster: node1[sleep {sleep.ip4}, legacy {legacy.ip4} (not in mesh)], "
+            f"node2[echo {echo.ip4}], outside host {ext.ip4}; "
+            "service echo.default.svc.cluster.local = 10.96.0.10:80"
         )
-
+        # One ztunnel per node (shared/in-pod mode), fed by a node agent over ZDS that installs
+        # istio-cni's rules in each mesh pod and hands over the pod's network namespace.
         common = {
-            "PROXY_MODE": "dedicated",
+            "PROXY_MODE": "shared",
             "LOCAL_XDS_PATH": str(CONFIG),
-            "ZTUNNEL_LOCAL_CA_DIR": ca_dir,
+            "ZTUNNEL_LOCAL_CA_DIR": os.path.join(tmp, "ca"),
         }
-        zts = {
-            "sleep": ZtunnelProcess(
-                sleep,
-                {**common, "PROXY_WORKLOAD_INFO": "default/sleep/sleep", "NODE_NAME": "node1"},
-                loop=loop,
-            ),
-            "echo": ZtunnelProcess(
-                echo,
-                {**common, "PROXY_WORKLOAD_INFO": "default/echo/echo", "NODE_NAME": "node2"},
-                loop=loop,
-            ),
-        }
-        for zt in zts.values():
-            zt.start()
+        zts: dict[str, ZtunnelProcess] = {}
+        for node, pods in ((node1, [sleep]), (node2, [echo])):
+            uds = os.path.join(tmp, f"{node.name}.sock")
+            agent = stack.enter_context(FakeNodeAgent(uds))
+            for pod in pods:
+                agent.put_pod(f"uid-{pod.name}", WorkloadInfo(pod.name, "default", pod.name), pod)
+            env = {**common, "NODE_NAME": node.name, "INPOD_UDS": uds}
+            zts[node.name] = ZtunnelProcess(node, env, loop=loop).start()
+            agent.wait_for_snapshot()
         start_app(echo, "echo", "--announce", ports=(8080,))
         start_app(ext, "echo", "--announce", ports=(9000,))
         _say(
-            f"ready in {time.monotonic() - t0:.2f}s (ztunnel per mesh pod, local CA in {ca_dir})\n"
+            f"ready in {time.monotonic() - t0:.2f}s: one ztunnel per node (in-pod mode), "
+            f"local CA in {tmp}/ca\n"
         )
 
         _say("traffic:")
@@ -112,10 +116,13 @@ def run(loop: str) -> int:
 
         time.sleep(0.3)
         for name, zt in zts.items():
-            _say(f"\nztunnel in pod {name}: access log")
+            _say(f"\nztunnel on {name}: access log")
             for rec in zt.access():
                 _say("  " + _describe(rec))
         rcs = {name: zt.stop() for name, zt in zts.items()}
+        for name, zt in zts.items():
+            for rec in zt.internal_errors():
+                _say(f"ztunnel on {name} logged an internal error: {rec}")
         _say(f"\nztunnel exit codes: {rcs}; tearing down")
     _say("sandbox removed: no namespaces or rules left behind")
     return 0 if all(rc == 0 for rc in rcs.values()) else 1

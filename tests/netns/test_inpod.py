@@ -1,0 +1,310 @@
+"""In-pod (shared) mode: one ztunnel per node fed by a node agent over ZDS, listening inside each
+pod's network namespace; pods added and deleted, agent and ztunnel restarts, upgrades, bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from ztunnel.inpod.protocol import WorkloadInfo
+from ztunnel.testing.apps import connect_from, recv_line, start_app
+from ztunnel.testing.netns import Node, Pod, Testbed
+from ztunnel.testing.nodeagent import FakeNodeAgent
+from ztunnel.testing.proc import ZtunnelProcess
+
+pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("require_root")]
+
+
+def config(pods: list[Pod]) -> str:
+    out = ["workloads:"]
+    for p in pods:
+        assert p.node is not None
+        out.append(
+            f"""- uid: cluster1//v1/Pod/default/{p.name}
+  name: {p.name}
+  namespace: default
+  serviceAccount: sa-{p.name}
+  trustDomain: cluster.local
+  workloadIps: ["{p.ip4}", "{p.ip6}"]
+  protocol: HBONE
+  node: {p.node.name}"""
+        )
+    return "\n".join(out) + "\n"
+
+
+def info(p: Pod) -> WorkloadInfo:
+    return WorkloadInfo(name=p.name, namespace="default", service_account=f"sa-{p.name}")
+
+
+@dataclass
+class Cluster:
+    tb: Testbed
+    n1: Node
+    n2: Node
+    c1: Pod
+    c2: Pod
+    s1: Pod
+    env: dict[str, str]
+    agents: dict[str, FakeNodeAgent] = field(default_factory=dict)
+    zts: list[ZtunnelProcess] = field(default_factory=list)
+    tmp: str = ""
+
+    def ztunnel(self, node: Node, loop: str = "uvloop") -> ZtunnelProcess:
+        env = {**self.env, "NODE_NAME": node.name, "INPOD_UDS": self.uds(node)}
+        zt = ZtunnelProcess(node, env, loop=loop).start()
+        self.zts.append(zt)
+        return zt
+
+    def uds(self, node: Node) -> str:
+        return os.path.join(self.tmp, f"{node.name}.sock")
+
+    def agent(self, node: Node) -> FakeNodeAgent:
+        agent = FakeNodeAgent(self.uds(node)).start()
+        self.agents[node.name] = agent
+        return agent
+
+
+@contextlib.contextmanager
+def cluster() -> Iterator[Cluster]:
+    with Testbed() as tb, tempfile.TemporaryDirectory() as tmp:
+        n1, n2 = tb.add_node("n1"), tb.add_node("n2")
+        c1, c2, s1 = n1.add_pod("c1"), n1.add_pod("c2"), n2.add_pod("s1")
+        env = {
+            "PROXY_MODE": "shared",
+            "LOCAL_XDS": config([c1, c2, s1]),
+            "ZTUNNEL_LOCAL_CA_DIR": os.path.join(tmp, "ca"),
+            "CONNECTION_TERMINATION_DEADLINE": "2s",
+        }
+        cl = Cluster(tb, n1, n2, c1, c2, s1, env, tmp=tmp)
+        try:
+            yield cl
+        finally:
+            codes = [(zt.stop(), zt.internal_errors()) for zt in cl.zts]
+            for agent in cl.agents.values():
+                agent.close()
+            for rc, errors in codes:
+                assert rc == 0, errors
+
+
+def echo_through(src: Pod, dst: Pod, port: int, msg: bytes = b"hi\n") -> str:
+    with connect_from(src, dst.ip4, port, timeout=5) as s:
+        s.sendall(msg)
+        return recv_line(s)
+
+
+def listening(pod: Pod, port: int) -> bool:
+    out = pod.run("ss", "-Hltn", f"sport = :{port}").stdout
+    return bool(out.strip())
+
+
+def test_pods_added_before_and_after_start_are_proxied() -> None:
+    with cluster() as cl:
+        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
+        a1.put_pod("uid-c1", info(cl.c1), cl.c1)  # known before ztunnel starts: in the snapshot
+        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
+        z1, z2 = cl.ztunnel(cl.n1), cl.ztunnel(cl.n2)
+        a1.wait_for_snapshot()
+        a2.wait_for_snapshot()
+        start_app(cl.s1, "echo", ports=(8080,))
+        assert echo_through(cl.c1, cl.s1, 8080) == "hi"
+        ex = a1.add_pod("uid-c2", info(cl.c2), cl.c2)  # steady state, after start
+        assert ex.acked, ex
+        assert echo_through(cl.c2, cl.s1, 8080) == "hi"
+        for pod in (cl.c1, cl.c2):
+            rec = z1.wait_for(
+                lambda r, p=pod: (
+                    r.get("message") == "connection complete" and r.get("src.workload") == p.name
+                )
+            )
+            assert rec["src.identity"] == f"spiffe://cluster.local/ns/default/sa/sa-{pod.name}"
+            assert rec["dst.addr"] == f"{cl.s1.ip4}:15008"
+        inbound = z2.wait_for(lambda r: r.get("direction") == "inbound")
+        assert inbound["dst.workload"] == "s1"
+        assert z1.runtime_stats()["proxies"] == 2
+
+
+def test_deleted_pod_closes_listeners_and_connections() -> None:
+    with cluster() as cl:
+        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
+        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
+        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
+        z1 = cl.ztunnel(cl.n1)
+        cl.ztunnel(cl.n2)
+        a1.wait_for_snapshot()
+        a2.wait_for_snapshot()
+        start_app(cl.s1, "echo", ports=(8080,))
+        s = connect_from(cl.c1, cl.s1.ip4, 8080, timeout=5)
+        s.sendall(b"one\n")
+        assert recv_line(s) == "one"
+        assert listening(cl.c1, 15001) and listening(cl.c1, 15008)
+        [ex] = a1.del_pod("uid-c1")
+        assert ex.acked
+        s.settimeout(5)
+        with contextlib.suppress(ConnectionResetError):
+            assert s.recv(100) == b""  # closed at once, no grace period
+        s.close()
+        assert (
+            not listening(cl.c1, 15001)
+            and not listening(cl.c1, 15006)
+            and not listening(cl.c1, 15008)
+        )
+        assert z1.runtime_stats()["proxies"] == 0
+
+
+def test_agent_restart_reconciles_and_keeps_surviving_pods() -> None:
+    with cluster() as cl:
+        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
+        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
+        a1.put_pod("uid-c2", info(cl.c2), cl.c2)
+        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
+        z1 = cl.ztunnel(cl.n1)
+        cl.ztunnel(cl.n2)
+        a1.wait_for_snapshot()
+        a2.wait_for_snapshot()
+        start_app(cl.s1, "echo", ports=(8080,))
+        live = connect_from(cl.c1, cl.s1.ip4, 8080, timeout=5)
+        live.sendall(b"before\n")
+        assert recv_line(live) == "before"
+
+        # The node agent restarts and no longer knows c2 (it was deleted meanwhile); c1 comes
+        # back as "keep" (its netns could not be reopened), which must keep its proxy running.
+        a1.close()
+        new_agent = FakeNodeAgent(cl.uds(cl.n1)).start()
+        cl.agents["n1"] = new_agent
+        new_agent.put_pod("uid-c1", info(cl.c1), None)
+        new_agent.wait_for_snapshot(timeout=20)
+        z1.wait_for(lambda r: "snapshot applied" in str(r.get("message")), timeout=20)
+        deadline = time.monotonic() + 10
+        while listening(cl.c2, 15001) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not listening(cl.c2, 15001), "c2 was not in the snapshot: its proxy must stop"
+        assert listening(cl.c1, 15001)
+        live.sendall(b"after\n")  # the connection through c1 survived the agent restart
+        assert recv_line(live) == "after"
+        live.close()
+        assert echo_through(cl.c1, cl.s1, 8080) == "hi"
+
+
+def test_ztunnel_restart_gets_snapshot() -> None:
+    with cluster() as cl:
+        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
+        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
+        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
+        z1 = cl.ztunnel(cl.n1)
+        cl.ztunnel(cl.n2)
+        a1.wait_for_snapshot()
+        start_app(cl.s1, "echo", ports=(8080,))
+        assert echo_through(cl.c1, cl.s1, 8080) == "hi"
+        assert z1.stop() == 0
+        cl.zts.remove(z1)
+        assert not listening(cl.c1, 15001)
+        cl.ztunnel(cl.n1)
+        a1.wait_for_snapshot(count=2)
+        assert echo_through(cl.c1, cl.s1, 8080) == "hi"
+
+
+def test_upgrade_two_ztunnels_side_by_side_refuse_nothing() -> None:
+    with cluster() as cl:
+        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
+        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
+        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
+        old = cl.ztunnel(cl.n1)
+        cl.ztunnel(cl.n2)
+        a1.wait_for_snapshot()
+        start_app(cl.s1, "echo", ports=(8080,))
+
+        failures: list[BaseException] = []
+        done = 0
+        stop = threading.Event()
+
+        def traffic() -> None:
+            nonlocal done
+            while not stop.is_set():
+                try:
+                    assert echo_through(cl.c1, cl.s1, 8080) == "hi"
+                    done += 1
+                except BaseException as e:
+                    failures.append(e)
+
+        t = threading.Thread(target=traffic)
+        t.start()
+        try:
+            time.sleep(0.5)
+            cl.ztunnel(cl.n1)  # the new one gets the snapshot and binds with SO_REUSEPORT
+            a1.wait_for_snapshot(count=2)
+            time.sleep(0.5)
+            assert old.stop() == 0  # the old one drains and exits
+            cl.zts.remove(old)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            t.join(20)
+        assert not failures, failures[:3]
+        assert done > 20
+
+
+def test_bad_input_is_rejected_and_other_pods_keep_working() -> None:
+    with cluster() as cl:
+        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
+        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
+        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
+        z1 = cl.ztunnel(cl.n1)
+        cl.ztunnel(cl.n2)
+        a1.wait_for_snapshot()
+        start_app(cl.s1, "echo", ports=(8080,))
+        assert echo_through(cl.c1, cl.s1, 8080) == "hi"
+        base = z1.runtime_stats()
+
+        cases: list[tuple[bytes, int]] = [
+            (b"\xff\xff\xff garbage", 0),
+            (b"\x0a\x05\x0a\x03ab", 0),  # truncated add
+            (b"\x12\x03\x12\x01u", 1),  # a del carrying an fd
+            (b"\x1a\x00", 2),  # SnapshotSent with two fds (and a second SnapshotSent)
+            (b"\x2a\x03\x0a\x01u", 0),  # keep after the snapshot
+            (b"\x0a\x03\x0a\x01u", 1),  # add without workload_info
+        ]
+        for i, (raw, nfds) in enumerate(cases):
+            fds = [os.open("/proc/self/ns/net", os.O_RDONLY) for _ in range(nfds)]
+            try:
+                ex = a1.send_raw(raw, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            assert ex.ack is None or ex.nacked, (i, ex)
+            a1.wait_for_snapshot(count=i + 2, timeout=20)  # ztunnel reconnected and resynced
+            assert echo_through(cl.c1, cl.s1, 8080) == "hi", i
+        after = z1.runtime_stats()
+        assert after["proxies"] == 1
+        # fds that came with bad messages were closed: nothing grew but idle pooled pipes.
+        assert after["fds"] - 2 * after.get("pipes_idle", 0) <= base["fds"] - 2 * base.get(
+            "pipes_idle", 0
+        )
+
+
+def test_nack_when_listeners_cannot_bind_then_retry() -> None:
+    with cluster() as cl:
+        a1 = cl.agent(cl.n1)
+        cl.ztunnel(cl.n1)
+        a1.wait_for_snapshot()
+        # Something else already holds 15001 in the pod, without SO_REUSEPORT.
+        from ztunnel.testing.apps import socket_in
+
+        blocker = socket_in(cl.c1, socket.AF_INET6)
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        blocker.bind(("::", 15001))
+        blocker.listen()
+        ex = a1.add_pod("uid-c1", info(cl.c1), cl.c1)
+        assert ex.nacked and "15001" in (ex.ack.error if ex.ack else ""), ex
+        blocker.close()
+        deadline = time.monotonic() + 12  # retried every 5 s
+        while not listening(cl.c1, 15008) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert listening(cl.c1, 15008)

@@ -1,0 +1,161 @@
+"""One proxied workload's listeners (outbound 15001, inbound plaintext 15006, inbound HBONE 15008).
+
+Dedicated mode runs one instance in ztunnel's own network namespace; in-pod (shared) mode runs
+one per pod, with every socket created inside that pod's namespace. An instance owns its
+listeners, their connection tasks and its HBONE connection pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from collections.abc import Callable
+
+from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config, WorkloadInfo
+from ztunnel.core.addr import IPAddr
+from ztunnel.core.identity import Identity
+from ztunnel.identity.manager import SecretManager
+from ztunnel.net.copy import PipePool
+from ztunnel.proxy.context import ProxyContext
+from ztunnel.proxy.hbone_outbound import HboneConnector
+from ztunnel.proxy.inbound import InboundHbone
+from ztunnel.proxy.inbound_passthrough import InboundPassthrough
+from ztunnel.proxy.listener import Listener
+from ztunnel.proxy.outbound import Outbound
+from ztunnel.proxy.sockets import SocketFactory
+from ztunnel.state.model import Workload
+from ztunnel.state.store import State
+
+log = logging.getLogger("ztunnel.proxy")
+
+
+class ProxyInstance:
+    def __init__(
+        self,
+        config: Config,
+        state: State,
+        secrets: SecretManager,
+        pipes: PipePool | None,
+        info: WorkloadInfo,
+        *,
+        netns_fd: int | None = None,
+        extra_local_ips: frozenset[IPAddr] = frozenset(),
+        name: str = "",
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.info = info
+        self.name = name or f"{info.namespace}/{info.name}"
+        self._extra_ips = extra_local_ips
+        self.sockets = SocketFactory(
+            mark=config.packet_mark,
+            netns_fd=netns_fd,
+            keepalive=(config.keepalive_time, config.keepalive_interval, config.keepalive_retries)
+            if config.keepalive_enabled
+            else None,
+            user_timeout=config.user_timeout_enabled,
+        )
+        self.ctx = ProxyContext(
+            config=config,
+            state=state,
+            sockets=self.sockets,
+            pipes=pipes,
+            local_workload=self.workload,
+            local_identity=self.identity,
+            local_ips=self.local_ips,
+        )
+        self.connector = HboneConnector(config, self.sockets, secrets)
+        self.ctx.hbone = self.connector
+        self.inbound = InboundHbone(self.ctx, secrets)
+        self.listeners: list[Listener] = []
+
+    # --- who this instance proxies for -------------------------------------------------------
+
+    def workload(self) -> Workload | None:
+        i = self.info
+        return self.state.find_workload_by_info(
+            i.name, i.namespace, i.service_account, self.config.node_name or None
+        )
+
+    def identity(self) -> Identity:
+        wl = self.workload()
+        trust_domain = wl.trust_domain if wl is not None else self.config.trust_domain
+        return Identity(trust_domain, self.info.namespace, self.info.service_account)
+
+    def local_ips(self) -> frozenset[IPAddr]:
+        wl = self.workload()
+        if wl is None:
+            return self._extra_ips
+        return self._extra_ips.union(wl.addresses)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        """Create all listening sockets (inside the netns); on any failure, none stay open."""
+        handlers = (
+            (OUTBOUND_PORT, "outbound", Outbound(self.ctx).handle),
+            (INBOUND_PLAINTEXT_PORT, "inbound_passthrough", InboundPassthrough(self.ctx).handle),
+            (HBONE_PORT, "inbound", self.inbound.handle),
+        )
+        try:
+            for port, name, handler in handlers:
+                self.listeners.append(Listener(self._listen(port), handler, f"{self.name} {name}"))
+        except BaseException:
+            for lst in self.listeners:
+                lst.sock.close()
+            self.listeners.clear()
+            raise
+
+    def _listen(self, port: int) -> socket.socket:
+        cfg = self.config
+        families = [socket.AF_INET6, socket.AF_INET] if cfg.ipv6_enabled else [socket.AF_INET]
+        transparent = cfg.enable_orig_src is not False
+        last: OSError | None = None
+        for family in families:
+            wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
+            for transp in (transparent, False) if cfg.enable_orig_src is None else (transparent,):
+                try:
+                    return self.sockets.listener(
+                        (wildcard, port),
+                        family=family,
+                        reuse_port=cfg.inpod_port_reuse,
+                        transparent=transp,
+                    )
+                except OSError as e:
+                    last = OSError(e.errno, f"cannot bind [{wildcard}]:{port}: {e.strerror}")
+                    if e.errno == errno.EADDRINUSE:
+                        raise last from None
+        assert last is not None
+        raise last
+
+    def start(self) -> None:
+        for lst in self.listeners:
+            lst.start()
+            log.info("%s listening on %s:%d", lst.name, *lst.address)
+
+    @property
+    def active_connections(self) -> int:
+        return sum(lst.active for lst in self.listeners)
+
+    async def drain(self, deadline: float) -> int:
+        """Graceful: stop accepting, GOAWAY to HBONE peers, let connections finish until the
+        deadline, then cut the rest. Returns how many were cut."""
+        self.inbound.send_goaway()
+        cut = sum(await asyncio.gather(*(lst.drain(deadline) for lst in self.listeners)))
+        self.connector.pool.close()
+        return cut
+
+    async def close(self) -> None:
+        """Immediate: listeners and every connection close now (a deleted pod)."""
+        await self.drain(0)
+
+
+def instance_factory(
+    config: Config, state: State, secrets: SecretManager, pipes: PipePool | None
+) -> Callable[[WorkloadInfo, int | None, str], ProxyInstance]:
+    def build(info: WorkloadInfo, netns_fd: int | None, name: str) -> ProxyInstance:
+        return ProxyInstance(config, state, secrets, pipes, info, netns_fd=netns_fd, name=name)
+
+    return build
