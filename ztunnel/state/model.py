@@ -69,6 +69,24 @@ class IPFamilies(enum.Enum):
     DUAL = 3
 
 
+class AppProtocol(enum.Enum):
+    """A service port's declared application protocol (xDS ``Port.app_protocol``)."""
+
+    UNKNOWN = 0
+    HTTP11 = 1
+    HTTP2 = 2
+    GRPC = 3
+    TCP = 4
+    TLS = 5
+
+
+class ServiceVisibility(enum.Enum):
+    """Who may see a service (xDS ``Service.visibility``)."""
+
+    PUBLIC = 0
+    NAMESPACE = 1
+
+
 @dataclass(frozen=True, slots=True)
 class NetworkAddress:
     """An IP qualified by the network it lives on (``"<network>/<ip>"`` in the local file)."""
@@ -78,6 +96,17 @@ class NetworkAddress:
 
     def __str__(self) -> str:
         return f"{self.network}/{self.address}"
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkCidr:
+    """A VIP range on a network (xDS ``NetworkAddress`` with a ``length`` shorter than the IP)."""
+
+    network: str
+    cidr: IPNet
+
+    def __str__(self) -> str:
+        return f"{self.network}/{self.cidr}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +122,14 @@ class GatewayAddress:
     address: NetworkAddress | None = None
     hostname: NamespacedHostname | None = None
     hbone_mtls_port: int = 15008
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedWaypoint:
+    """One of several waypoints a service splits traffic across, with its relative weight."""
+
+    destination: GatewayAddress
+    weight: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +185,7 @@ class Workload:
 class ServicePort:
     service_port: int
     target_port: int  # 0: a named port, resolved only by each endpoint's own mapping
+    app_protocol: AppProtocol = AppProtocol.UNKNOWN
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +209,11 @@ class Service:
     load_balancing: LoadBalancing | None = None
     ip_families: IPFamilies = IPFamilies.AUTOMATIC
     canonical: bool = False
+    # Recent xDS fields, carried for the routing code and config dumps.
+    cidr_vips: tuple[NetworkCidr, ...] = ()
+    ingress_use_waypoint: bool = False
+    weighted_waypoints: tuple[WeightedWaypoint, ...] = ()
+    visibility: ServiceVisibility = ServiceVisibility.PUBLIC
 
     @property
     def key(self) -> str:
