@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ztunnel import __version__
 from ztunnel.config import Config, CopyMode, ProxyMode
 from ztunnel.core.addr import IPAddr, parse_ip
+from ztunnel.identity.caclient import IstioCAClient
 from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
 from ztunnel.inpod.client import ZdsClient
@@ -24,7 +25,9 @@ from ztunnel.inpod.manager import InPodManager
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import ProxyInstance, instance_factory
 from ztunnel.state.localconfig import load_local_config
+from ztunnel.state.model import TunnelProtocol, Workload
 from ztunnel.state.store import State
+from ztunnel.xds.client import AdsClient, StateUpdater
 
 log = logging.getLogger("ztunnel.app")
 
@@ -42,6 +45,8 @@ class App:
     dedicated: ProxyInstance | None = None
     inpod: InPodManager | None = None
     _zds_task: asyncio.Task[None] | None = None
+    xds: AdsClient | None = None
+    ca_client: IstioCAClient | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     # --- build ----------------------------------------------------------------------------------
@@ -70,10 +75,9 @@ class App:
     def _build_secrets(self) -> SecretManager:
         cfg = self.config
         if cfg.ca_address is not None:
-            raise StartupError(
-                f"CA_ADDRESS={cfg.ca_address}: the Istio CA client is not available yet; "
-                "unset CA_ADDRESS to use the local CA"
-            )
+            self.ca_client = IstioCAClient.from_config(cfg)
+            log.info("certificates from the Istio CA at %s", cfg.ca_address)
+            return SecretManager(self.ca_client)
         if cfg.local_ca_dir is not None:
             ca = LocalCA.load_or_create(
                 cfg.local_ca_dir, trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl
@@ -97,12 +101,16 @@ class App:
         cfg = self.config
         log.info("ztunnel %s starting, mode=%s", __version__, cfg.proxy_mode.value)
         log.info("effective config: %s", cfg.summary())
-        if cfg.xds_address is not None:
-            log.warning("xDS client is not available yet; ignoring XDS_ADDRESS=%s", cfg.xds_address)
         self.load_local_config()
         if cfg.copy_mode is CopyMode.SPLICE:
             self.pipes = PipePool()
         self.secrets = self._build_secrets()
+        if cfg.xds_address is not None:
+            self.xds = AdsClient(
+                cfg, _Updater(self.state, self.secrets, cfg.node_name), env=os.environ
+            )
+            self.xds.start()
+            log.info("xDS: connecting to %s", cfg.xds_address)
         build = instance_factory(cfg, self.state, self.secrets, self.pipes)
         if cfg.proxy_mode is ProxyMode.DEDICATED:
             assert cfg.proxy_workload_info is not None
@@ -169,6 +177,8 @@ class App:
             self._zds_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._zds_task
+        if self.xds is not None:
+            await self.xds.close()
         if self.dedicated is not None:
             cut += await self.dedicated.drain(deadline)
         if self.inpod is not None:
@@ -179,6 +189,26 @@ class App:
             )
         if self.secrets is not None:
             await self.secrets.close()
+        if self.ca_client is not None:
+            await self.ca_client.close()
         if self.pipes is not None:
             self.pipes.close()
         return cut
+
+
+class _Updater(StateUpdater):
+    """Applies xDS to the state and prefetches certificates for this node's HBONE workloads."""
+
+    def __init__(self, state: State, secrets: SecretManager, node: str) -> None:
+        super().__init__(state)
+        self.secrets = secrets
+        self.node = node
+
+    def upsert_workload(self, workload: Workload) -> None:
+        super().upsert_workload(workload)
+        if (
+            self.node
+            and workload.node == self.node
+            and (workload.protocol is TunnelProtocol.HBONE or workload.native_tunnel)
+        ):
+            self.secrets.prefetch(workload.identity)
