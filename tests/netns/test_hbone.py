@@ -3,12 +3,9 @@ pod B on node 2 through outbound 15001, mTLS HTTP/2 CONNECT to 15008, and the ap
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
@@ -20,79 +17,11 @@ from ztunnel.testing.apps import (
     send_payload,
     start_app,
 )
-from ztunnel.testing.netns import Pod, Testbed
+from ztunnel.testing.hbone import Mesh, mesh
+from ztunnel.testing.netns import Pod
 from ztunnel.testing.proc import ZtunnelProcess
 
 pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("require_root")]
-
-
-def mesh_config(a: Pod, b: Pod) -> str:
-    return f"""
-workloads:
-- uid: cluster1//v1/Pod/default/a
-  name: a
-  namespace: default
-  serviceAccount: sa-a
-  trustDomain: cluster.local
-  workloadIps: ["{a.ip4}", "{a.ip6}"]
-  protocol: HBONE
-  node: n1
-  canonicalName: a-app
-  workloadName: a-deploy
-- uid: cluster1//v1/Pod/default/b
-  name: b
-  namespace: default
-  serviceAccount: sa-b
-  trustDomain: cluster.local
-  workloadIps: ["{b.ip4}", "{b.ip6}"]
-  protocol: HBONE
-  node: n2
-  services:
-    "default/b.default.svc.cluster.local": {{80: 8080}}
-services:
-- name: b
-  namespace: default
-  hostname: b.default.svc.cluster.local
-  vips: ["/10.96.0.20"]
-  ports: {{80: 8080}}
-"""
-
-
-@dataclass
-class Mesh:
-    a: Pod
-    b: Pod
-    zta: ZtunnelProcess
-    ztb: ZtunnelProcess
-
-
-@contextlib.contextmanager
-def mesh(loop: str = "uvloop", extra_env: dict[str, str] | None = None) -> Iterator[Mesh]:
-    with Testbed() as tb, tempfile.TemporaryDirectory() as ca_dir:
-        n1, n2 = tb.add_node("n1"), tb.add_node("n2")
-        a, b = n1.add_pod("a"), n2.add_pod("b")
-        a.install_inpod_rules()
-        b.install_inpod_rules()
-        cfg = mesh_config(a, b)
-        common = {
-            "PROXY_MODE": "dedicated",
-            "LOCAL_XDS": cfg,
-            "ZTUNNEL_LOCAL_CA_DIR": ca_dir,
-            **(extra_env or {}),
-        }
-        zta = ZtunnelProcess(
-            a, {**common, "PROXY_WORKLOAD_INFO": "default/a/sa-a", "NODE_NAME": "n1"}, loop=loop
-        )
-        ztb = ZtunnelProcess(
-            b, {**common, "PROXY_WORKLOAD_INFO": "default/b/sa-b", "NODE_NAME": "n2"}, loop=loop
-        )
-        zta.start()
-        ztb.start()
-        try:
-            yield Mesh(a, b, zta, ztb)
-        finally:
-            assert zta.stop() == 0, zta.internal_errors()
-            assert ztb.stop() == 0, ztb.internal_errors()
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,10 @@ _RECV_SIZE = 256 * 1024
 _PLAIN_SIZE = 512 * 1024
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
 _TCP_READ = 256 * 1024
+# Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
+# read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
+# it without telling us, so bytes or an error left unread would strand the connection for good.
+_READ_BATCH = 16
 _HANDSHAKE_TIMEOUT = 10.0
 KEEPALIVE_INTERVAL = 10.0
 KEEPALIVE_TIMEOUT = 20.0
@@ -64,6 +68,13 @@ async def tls_handshake(
                 done = True
             except ssl.SSLWantReadError:
                 done = False
+            except ssl.SSLError:
+                # Send the alert OpenSSL queued (unknown CA, expired certificate, ...) so that
+                # the peer learns why, as rustls does, instead of seeing a bare EOF.
+                if outbio.pending:
+                    with contextlib.suppress(OSError):
+                        sock.send(outbio.read())
+                raise
             if outbio.pending:
                 await loop.sock_sendall(sock, outbio.read())
             if done:
@@ -173,41 +184,49 @@ class StreamBridge:
             self._reading = False
 
     def _on_tcp_readable(self) -> None:
+        # Read until EAGAIN, EOF, an error, or a pause for flow control / back-pressure (which
+        # removes the reader, so a later resume registers afresh): see _READ_BATCH.
         conn = self.conn
-        if conn.write_blocked:
-            self._pause_reading()
-            conn._blocked_bridges.add(self)
-            return
-        window = min(conn.h2.stream_send_window(self.stream_id), conn.h2.connection_send_window)
-        if window <= 0:
-            self._pause_reading()  # resumed on WINDOW_UPDATE
-            return
-        try:
-            data = self.sock.recv(min(window, _TCP_READ))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self.abort(e)
-            return
-        if not data:
-            self._pause_reading()
-            self._tcp_eof = True
-            with contextlib.suppress(h2.ProtocolError):
-                conn.h2.end_stream(self.stream_id)
+        for _ in range(_READ_BATCH):
+            if self.done.done() or not self._reading:
+                return
+            if conn.write_blocked:
+                self._pause_reading()
+                conn._blocked_bridges.add(self)
+                return
+            window = min(conn.h2.stream_send_window(self.stream_id), conn.h2.connection_send_window)
+            if window <= 0:
+                self._pause_reading()  # resumed on WINDOW_UPDATE
+                return
+            try:
+                data = self.sock.recv(min(window, _TCP_READ))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.abort(e)
+                return
+            if not data:
+                self._pause_reading()
+                self._tcp_eof = True
+                with contextlib.suppress(h2.ProtocolError):
+                    conn.h2.end_stream(self.stream_id)
+                conn.flush()
+                self._check_done()
+                return
+            try:
+                sent = conn.h2.send_data(self.stream_id, data)
+            except h2.ProtocolError as e:
+                self.abort(e)
+                return
+            self.tcp_to_h2 += sent
+            self.counters.down_to_up += sent
+            if sent < len(data):
+                self._unsent = memoryview(data)[sent:]
+                self._pause_reading()
+                conn.flush()
+                return
             conn.flush()
-            self._check_done()
-            return
-        try:
-            sent = conn.h2.send_data(self.stream_id, data)
-        except h2.ProtocolError as e:
-            self.abort(e)
-            return
-        self.tcp_to_h2 += sent
-        self.counters.down_to_up += sent
-        if sent < len(data):
-            self._unsent = memoryview(data)[sent:]
-            self._pause_reading()
-        conn.flush()
+        conn.loop.call_soon(self._on_tcp_readable)  # more to read: let others run first
 
     def on_window(self) -> None:
         """Send capacity grew: push what was waiting, then read TCP again."""
@@ -346,6 +365,7 @@ class HboneConnection:
         self._reserved = 0  # streams promised to callers but not opened yet
         self.error: BaseException | None = None
         self.closed: asyncio.Future[BaseException | None] = self.loop.create_future()
+        self._closing = False  # _teardown has started (it may re-enter via flush -> _fail)
         self.last_active = time.monotonic()
         self._ping_sent: float | None = None
         self._keepalive: asyncio.TimerHandle | None = None
@@ -386,6 +406,8 @@ class HboneConnection:
                 if n == len(cipher):
                     return
                 cipher = cipher[n:]
+            if self._closing:
+                return  # tearing down: best effort only, never re-arm the writer
             self._out.append(cipher)
             self._out_size += len(cipher)
             if not self._writer_armed:
@@ -417,23 +439,31 @@ class HboneConnection:
     # --- receiving -------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
+        # Read until EAGAIN (see _READ_BATCH), yielding to other callbacks now and then.
         try:
-            self._read_and_dispatch()
+            for _ in range(_READ_BATCH):
+                if not self._read_and_dispatch():
+                    return
         except Exception as e:  # a bug: fail this connection, keep serving the others
             log.exception("HBONE connection failed on an internal error")
             self._fail(e)
+            return
+        self.loop.call_soon(self._on_readable)
 
-    def _read_and_dispatch(self) -> None:
+    def _read_and_dispatch(self) -> bool:
+        """One read; True if the socket may have more (and the connection is still up)."""
+        if self._closing or self.closed.done():
+            return False
         try:
             n = self.sock.recv_into(self._recv_buf)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as e:
             self._fail(e)
-            return
+            return False
         if n == 0:
             self._fail(ConnectionLost("peer closed the connection"))
-            return
+            return False
         self.last_active = time.monotonic()
         self.inbio.write(self._recv_view[:n])
         plain = self._plain_view
@@ -452,15 +482,16 @@ class HboneConnection:
             except ssl.SSLZeroReturnError:
                 self._feed(plain[:got])
                 self._fail(ConnectionLost("peer closed the TLS session"))
-                return
+                return False
             except ssl.SSLError as e:
                 self._fail(e)
-                return
+                return False
             if got:
                 self._feed(plain[:got])
             if got < size or self.closed.done():
                 break
         self.flush()
+        return not self.closed.done()
 
     def _feed(self, data: memoryview) -> None:
         if self.closed.done():
@@ -549,12 +580,17 @@ class HboneConnection:
         self._keepalive = self.loop.call_later(KEEPALIVE_INTERVAL, self._on_keepalive)
 
     def _fail(self, error: BaseException) -> None:
-        if self.closed.done():
+        if self._closing or self.closed.done():
             return
         self.error = error
         self._teardown(error)
 
     def _teardown(self, error: BaseException | None) -> None:
+        # Aborting the bridges below flushes their RST_STREAMs; if that send fails, flush calls
+        # _fail, which must not start a second teardown (closed.set_result would then raise).
+        if self._closing:
+            return
+        self._closing = True
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None

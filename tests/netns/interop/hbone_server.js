@@ -1,0 +1,88 @@
+// An HBONE server on Node's built-in http2 module, standing in for ztunnel's inbound 15008:
+// mTLS 1.3 (client certificate required, verified against the mesh root, then checked for a
+// SPIFFE identity in the trust domain), ALPN h2, CONNECT -> 200 and a TCP connection to the
+// :authority piped both ways with half-close kept; anything else -> 400; refused -> 503.
+//
+// Usage: node hbone_server.js '<json>' with port, cert, key, ca, trustDomain.
+// Prints "READY <port>", then one JSON line per stream event.
+'use strict';
+const fs = require('fs');
+const http2 = require('http2');
+const net = require('net');
+
+const cfg = JSON.parse(process.argv[2]);
+const log = (o) => console.log(JSON.stringify(o));
+
+const server = http2.createSecureServer({
+  cert: fs.readFileSync(cfg.cert),
+  key: fs.readFileSync(cfg.key),
+  ca: fs.readFileSync(cfg.ca),
+  requestCert: true,
+  rejectUnauthorized: true,
+  minVersion: 'TLSv1.3',
+  maxVersion: 'TLSv1.3',
+  allowHTTP1: false,
+});
+
+server.on('secureConnection', (sock) => {
+  const sans = (sock.getPeerCertificate().subjectaltname || '').split(', ');
+  if (!sans.some((s) => s.startsWith(`URI:spiffe://${cfg.trustDomain}/`))) {
+    log({ event: 'rejected', sans });
+    sock.destroy();
+  }
+});
+server.on('tlsClientError', (e) => log({ event: 'tlsError', error: e.message }));
+
+function splitAuthority(a) {
+  const m = /^\[([0-9a-fA-F:.]+)\]:(\d+)$/.exec(a) || /^([0-9.]+):(\d+)$/.exec(a);
+  return m ? { host: m[1], port: Number(m[2]) } : null;
+}
+
+server.on('stream', (stream, headers) => {
+  const sock = stream.session.socket;
+  const info = {
+    event: 'request',
+    method: headers[':method'],
+    authority: headers[':authority'],
+    scheme: headers[':scheme'] || null,
+    path: headers[':path'] || null,
+    baggage: headers.baggage || null,
+    forwarded: headers.forwarded || null,
+    traceparent: headers.traceparent || null,
+    alpn: sock.alpnProtocol,
+    tls: sock.getProtocol(),
+    clientSan: sock.getPeerCertificate().subjectaltname,
+  };
+  const target = info.method === 'CONNECT' ? splitAuthority(info.authority || '') : null;
+  log(info);
+  if (target === null) {
+    stream.respond({ ':status': 400 }, { endStream: true });
+    return;
+  }
+  let up = 0;
+  let down = 0;
+  const app = net.connect({ host: target.host, port: target.port, allowHalfOpen: true });
+  app.on('connect', () => {
+    stream.respond({ ':status': 200 });
+    stream.on('data', (c) => { up += c.length; });
+    app.on('data', (c) => { down += c.length; });
+    stream.pipe(app); // END_STREAM -> FIN to the app
+    app.pipe(stream); // FIN from the app -> END_STREAM
+  });
+  app.on('error', (e) => {
+    if (!stream.headersSent) {
+      stream.respond({ ':status': 503 }, { endStream: true });
+    } else {
+      stream.close(http2.constants.NGHTTP2_INTERNAL_ERROR);
+    }
+    log({ event: 'appError', authority: info.authority, error: e.message });
+  });
+  stream.on('error', () => app.destroy());
+  stream.on('close', () => {
+    log({ event: 'closed', authority: info.authority, up, down, rstCode: stream.rstCode });
+    if (stream.rstCode) app.destroy(); // reset: drop the app; else the pipes finish the job
+  });
+});
+
+server.listen(cfg.port, '::', () => console.log(`READY ${cfg.port}`));
+process.on('SIGTERM', () => process.exit(0));
