@@ -74,7 +74,13 @@ class ConnectionPool:
             if conn is not None:
                 return conn
             self.dials += 1
-            conn = await self._dial(key)
+            try:
+                conn = await self._dial(key)
+            except BaseException:
+                # Forget the lock of a destination we could not reach, or failing keys pile up.
+                if key not in self._conns:
+                    self._locks.pop(key, None)
+                raise
             self._conns.setdefault(key, []).append(conn)
             conn.closed.add_done_callback(functools.partial(self._on_closed, key, conn))
             conn.reserve()
