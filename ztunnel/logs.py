@@ -61,6 +61,40 @@ def apply_directives(spec: str) -> None:
         logging.getLogger(name).setLevel(lvl)
 
 
+def level_name(level: int) -> str:
+    """The RUST_LOG spelling of a Python level (``warn``, not ``warning``); non-standard levels
+    round up to the next named one."""
+    for name in ("trace", "debug", "info", "warn", "error", "off"):
+        if level <= _LEVELS[name]:
+            return name
+    return "off"
+
+
+def _target_name(logger_name: str) -> str:
+    return logger_name.replace(".", "::")
+
+
+def format_directives(root: int, targets: dict[str, int]) -> str:
+    """The inverse of :func:`parse_directives`, in tracing's display order: targets (sorted),
+    then the default level, e.g. ``access=debug,ztunnel::proxy=trace,info``."""
+    parts = [f"{_target_name(n)}={level_name(lvl)}" for n, lvl in sorted(targets.items())]
+    parts.append(level_name(root))
+    return ",".join(parts)
+
+
+def current_directives(extra_loggers: tuple[str, ...] | frozenset[str] = ()) -> str:
+    """The levels in force, as a directive string: the root level, every ``ztunnel``/``access``
+    logger with an explicit level, and any of ``extra_loggers`` that has one."""
+    targets: dict[str, int] = {}
+    wanted = set(extra_loggers)
+    for name, lg in list(logging.root.manager.loggerDict.items()):
+        if not isinstance(lg, logging.Logger) or lg.level == logging.NOTSET:
+            continue
+        if name.startswith(("ztunnel", "access")) or name in wanted:
+            targets[name] = lg.level
+    return format_directives(logging.getLogger().level, targets)
+
+
 def _fmt_value(v: object) -> str:
     s = str(v)
     if not s or any(c in s for c in ' ="'):

@@ -1,0 +1,714 @@
+"""Prometheus metrics in ztunnel's names and label sets, and an encoder that keeps label order.
+
+One :class:`Metrics` is built by the composition root on one ``CollectorRegistry`` (never the
+global one) and passed down. Invariants:
+
+* Values are mutated only from the event-loop thread; a scrape may run in another thread and only
+  reads them (a float/int attribute read is atomic under the GIL). New label sets are added under a
+  small lock so a concurrent scrape never sees a dict change size.
+* Label values are rendered in the Rust encoding order (reference 6.1), which prometheus_client's
+  own encoders cannot do (they sort label names): use :func:`encode` for the wire format.
+  ``registry.get_sample_value`` still works on everything here.
+* The data path never looks labels up per chunk: a :class:`ConnectionMetrics` handle resolves its
+  counters once, when the connection is opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest as _text_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.exposition import generate_latest as _om_latest
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
+
+from ztunnel import __version__
+from ztunnel.core.errors import ProxyError, ResponseFlag
+
+if TYPE_CHECKING:
+    from ztunnel.core.identity import Identity
+    from ztunnel.state.model import Service, Workload
+
+__all__ = [
+    "OPENMETRICS_CONTENT_TYPE",
+    "TEXT_CONTENT_TYPE",
+    "TRAFFIC_LABEL_NAMES",
+    "BaggageLike",
+    "Cell",
+    "ConnectionMetrics",
+    "Family",
+    "InpodMetrics",
+    "Metrics",
+    "Reporter",
+    "SecurityPolicy",
+    "encode",
+    "encode_chunks",
+    "encode_chunks_async",
+    "flag_for",
+    "reporter_for_direction",
+    "traffic_labels",
+    "wants_openmetrics",
+]
+
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+UNKNOWN = "unknown"
+
+
+class Reporter(enum.Enum):
+    """Which side reports: ``source`` for outbound, ``destination`` for inbound."""
+
+    SOURCE = "source"
+    DESTINATION = "destination"
+
+
+class SecurityPolicy(enum.Enum):
+    UNKNOWN = "unknown"  # plaintext, passthrough
+    MUTUAL_TLS = "mutual_tls"  # HBONE
+
+
+# The full traffic label set, in the Rust encoding order (istio/ztunnel src/proxy/metrics.rs
+# CommonTrafficLabels). The last four (locality) are present only when a source or destination
+# workload is known (Rust OptionallyEncode): traffic_labels() then returns 23 values, not 27.
+TRAFFIC_LABEL_NAMES: tuple[str, ...] = (
+    "reporter",
+    "source_workload",
+    "source_canonical_service",
+    "source_canonical_revision",
+    "source_workload_namespace",
+    "source_principal",
+    "source_app",
+    "source_version",
+    "source_cluster",
+    "destination_service",
+    "destination_service_namespace",
+    "destination_service_name",
+    "destination_workload",
+    "destination_canonical_service",
+    "destination_canonical_revision",
+    "destination_workload_namespace",
+    "destination_principal",
+    "destination_app",
+    "destination_version",
+    "destination_cluster",
+    "request_protocol",
+    "response_flags",
+    "connection_security_policy",
+    "source_region",
+    "source_zone",
+    "destination_region",
+    "destination_zone",
+)
+_FLAG_INDEX = TRAFFIC_LABEL_NAMES.index("response_flags")
+
+
+class BaggageLike(Protocol):
+    """The fields of an incoming ``baggage`` header (``ztunnel.hbone.headers.Baggage`` fits)."""
+
+    @property
+    def cluster_id(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def workload_name(self) -> str: ...
+    @property
+    def service_name(self) -> str: ...
+    @property
+    def service_version(self) -> str: ...
+    @property
+    def region(self) -> str: ...
+    @property
+    def zone(self) -> str: ...
+
+
+def _v(s: str | None) -> str:
+    return s if s else UNKNOWN
+
+
+def traffic_labels(
+    reporter: Reporter,
+    *,
+    source: Workload | None = None,
+    source_identity: Identity | None = None,
+    baggage: BaggageLike | None = None,
+    destination: Workload | None = None,
+    destination_service: Service | None = None,
+    destination_identity: Identity | None = None,
+    security_policy: SecurityPolicy = SecurityPolicy.UNKNOWN,
+    response_flag: ResponseFlag = ResponseFlag.NONE,
+) -> tuple[str, ...]:
+    """The traffic label values, in :data:`TRAFFIC_LABEL_NAMES` order. Pure.
+
+    Rules (Rust ``ConnectionOpen`` -> ``CommonTrafficLabels``):
+
+    * ``source_*`` come from ``baggage`` first (destination reporter: the peer's ``baggage``;
+      ``source_app`` = baggage workload name, ``source_canonical_service`` = ``service.name``),
+      then, when ``source`` (the xDS workload: the local one outbound, the one found by source IP
+      inbound) is known, from it entirely (``source_app`` = canonical name there).
+    * ``source_principal`` is ``source_identity`` only: the mTLS identity (outbound: our own when
+      we do mTLS; inbound: the verified peer). Never taken from the workload record.
+    * ``destination_*`` from ``destination`` (the chosen upstream); ``destination_principal`` is
+      ``destination_identity`` if given, else the destination workload's identity.
+    * Missing or empty values are ``unknown``. Locality labels are appended only when a source,
+      baggage or destination is known.
+    """
+    s_workload = s_canon = s_rev = s_ns = s_app = s_ver = s_cluster = s_region = s_zone = ""
+    if baggage is not None:
+        s_workload = baggage.workload_name
+        s_canon = baggage.service_name
+        s_rev = baggage.service_version
+        s_ns = baggage.namespace
+        s_app = baggage.workload_name
+        s_ver = baggage.service_version
+        s_cluster = baggage.cluster_id
+        s_region, s_zone = baggage.region, baggage.zone
+    if source is not None:
+        s_workload = source.workload_name
+        s_canon = source.canonical_name
+        s_rev = source.canonical_revision
+        s_ns = source.namespace
+        s_app = source.canonical_name
+        s_ver = source.canonical_revision
+        s_cluster = source.cluster_id
+        s_region, s_zone = source.locality.region, source.locality.zone
+
+    if destination is not None:
+        d = destination
+        principal = destination_identity if destination_identity is not None else d.identity
+        dst: tuple[str, ...] = (
+            _v(d.workload_name),
+            _v(d.canonical_name),
+            _v(d.canonical_revision),
+            _v(d.namespace),
+            str(principal),
+            _v(d.canonical_name),
+            _v(d.canonical_revision),
+            _v(d.cluster_id),
+        )
+    else:
+        principal_s = str(destination_identity) if destination_identity is not None else UNKNOWN
+        dst = (UNKNOWN,) * 4 + (principal_s,) + (UNKNOWN,) * 3
+
+    svc = destination_service
+    labels = (
+        reporter.value,
+        _v(s_workload),
+        _v(s_canon),
+        _v(s_rev),
+        _v(s_ns),
+        str(source_identity) if source_identity is not None else UNKNOWN,
+        _v(s_app),
+        _v(s_ver),
+        _v(s_cluster),
+        _v(svc.hostname) if svc is not None else UNKNOWN,
+        _v(svc.namespace) if svc is not None else UNKNOWN,
+        _v(svc.name) if svc is not None else UNKNOWN,
+        *dst,
+        "tcp",
+        response_flag.value,
+        security_policy.value,
+    )
+    if source is None and baggage is None and destination is None:
+        return labels
+    d_region = destination.locality.region if destination is not None else ""
+    d_zone = destination.locality.zone if destination is not None else ""
+    return (*labels, _v(s_region), _v(s_zone), _v(d_region), _v(d_zone))
+
+
+def with_flag(labels: tuple[str, ...], flag: ResponseFlag) -> tuple[str, ...]:
+    """``labels`` with ``response_flags`` replaced."""
+    if labels[_FLAG_INDEX] == flag.value:
+        return labels
+    return (*labels[:_FLAG_INDEX], flag.value, *labels[_FLAG_INDEX + 1 :])
+
+
+def flag_for(error: BaseException | str | None) -> ResponseFlag:
+    """The response flag an outcome carries: a ``ProxyError``'s flag, else ``-``."""
+    return error.flag if isinstance(error, ProxyError) else ResponseFlag.NONE
+
+
+def reporter_for_direction(direction: str) -> Reporter:
+    """``"outbound"`` -> source, anything else (``"inbound"``) -> destination."""
+    return Reporter.SOURCE if direction == "outbound" else Reporter.DESTINATION
+
+
+# --- cells and families --------------------------------------------------------------------------
+
+
+class Cell:
+    """One time series. Mutate from the event-loop thread only."""
+
+    __slots__ = ("key", "text", "value")
+
+    def __init__(self, key: tuple[str, ...] = ()) -> None:
+        self.key = key
+        self.value: int | float = 0
+        self.text: str | None = None  # rendered ``{k="v",...}``, filled lazily by the encoder
+
+    def inc(self, amount: int | float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: int | float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: int | float) -> None:
+        self.value = value
+
+    def get(self) -> int | float:
+        return self.value
+
+
+def _escape(v: str) -> str:
+    if "\\" in v or '"' in v or "\n" in v:
+        v = v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return v
+
+
+def _render_labels(names: Sequence[str], values: Sequence[str]) -> str:
+    if not values:
+        return ""
+    return "{" + ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=False)) + "}"
+
+
+def _fmt_value(v: int | float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    return floatToGoString(v)  # type: ignore[no-untyped-call, no-any-return]
+
+
+def _escape_help(doc: str) -> str:
+    return doc.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+class Family:
+    """A counter or gauge family whose label values are tuples in a fixed order.
+
+    A tuple may be shorter than ``labelnames``: the missing trailing labels are simply absent from
+    that series (Rust's optionally-encoded label groups). A collector for prometheus_client.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        kind: Literal["counter", "gauge"],
+        labelnames: Sequence[str] = (),
+        *,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.kind = kind
+        self.labelnames = tuple(labelnames)
+        self._cells: dict[tuple[str, ...], Cell] = {}
+        self._lock = threading.Lock()
+        self._sample_name = name + "_total" if kind == "counter" else name
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> Cell:
+        """The series for ``values`` (created on first use). Cache the result on hot paths."""
+        cell = self._cells.get(values)
+        if cell is None:
+            if len(values) > len(self.labelnames):
+                raise ValueError(
+                    f"{self.name}: {len(values)} label values for {len(self.labelnames)} names"
+                )
+            with self._lock:
+                cell = self._cells.setdefault(values, Cell(values))
+        return cell
+
+    def __len__(self) -> int:
+        return len(self._cells)
+
+    def _snapshot(self) -> list[Cell]:
+        # values(), not items(): one list, no per-series tuples for the GC to chase.
+        with self._lock:
+            return list(self._cells.values())
+
+    # prometheus_client collector protocol
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, self.kind)]
+
+    def collect(self) -> Iterator[Metric]:
+        yield _FamilySnapshot(self, self._snapshot())
+
+    def render(self, cells: list[Cell], openmetrics: bool) -> Iterator[str]:
+        """Exposition lines for this family (HELP, TYPE, samples), labels in tuple order."""
+        # Text format names a counter family with its _total suffix (as prometheus_client does);
+        # OpenMetrics names the family without it.
+        fam = self.name if openmetrics else self._sample_name
+        yield f"# HELP {fam} {_escape_help(self.documentation)}\n"
+        yield f"# TYPE {fam} {self.kind}\n"
+        prefix = self._sample_name
+        names = self.labelnames
+        for cell in cells:
+            text = cell.text
+            if text is None:
+                text = cell.text = _render_labels(names, cell.key)
+            yield f"{prefix}{text} {_fmt_value(cell.value)}\n"
+
+
+class _FamilySnapshot(Metric):
+    """A point-in-time view of a :class:`Family`; ``samples`` is built only if someone asks."""
+
+    def __init__(self, family: Family, cells: list[Cell]) -> None:
+        super().__init__(family.name, family.documentation, family.kind)
+        self.family = family
+        self.cells = cells
+        self._built = False
+
+    @property
+    def samples(self) -> list[Sample]:
+        if not self._built:
+            name, names = self.family._sample_name, self.family.labelnames
+            self._samples = [
+                Sample(name, dict(zip(names, cell.key, strict=False)), cell.value, None, None)
+                for cell in self.cells
+            ]
+            self._built = True
+        return self._samples
+
+    @samples.setter
+    def samples(self, value: list[Sample]) -> None:
+        # Metric.__init__ assigns an empty list; anything assigned later replaces the view.
+        self._samples = value
+        self._built = bool(value)
+
+
+class _One:
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def collect(self) -> Iterable[Metric]:
+        return [self.metric]
+
+
+def _lines(registry: CollectorRegistry, openmetrics: bool) -> Iterator[str]:
+    for metric in registry.collect():
+        if isinstance(metric, _FamilySnapshot):
+            yield from metric.family.render(metric.cells, openmetrics)
+        elif openmetrics:
+            chunk = _om_latest(_One(metric)).decode("utf-8")  # type: ignore[no-untyped-call]
+            yield chunk.removesuffix("# EOF\n")
+        else:
+            yield _text_latest(_One(metric)).decode("utf-8")
+    if openmetrics:
+        yield "# EOF\n"
+
+
+def encode_chunks(
+    registry: CollectorRegistry,
+    *,
+    openmetrics: bool = False,
+    chunk_size: int = 64 * 1024,
+    yield_gil: bool = False,
+) -> list[bytes]:
+    """The exposition as a list of roughly ``chunk_size`` byte strings.
+
+    Chunks keep every allocation small, so no single C call (join, encode, page faults of one
+    huge buffer) holds the GIL for long, and the server can write the body piecewise. In a worker
+    thread pass ``yield_gil=True``: the thread then releases the GIL after each chunk, so the
+    event loop does not wait out whole switch intervals (5 ms each) to run.
+    """
+    chunks: list[bytes] = []
+    pending: list[str] = []
+    size = 0
+    for line in _lines(registry, openmetrics):
+        pending.append(line)
+        size += len(line)
+        if size >= chunk_size:
+            chunks.append("".join(pending).encode("utf-8"))
+            pending.clear()
+            size = 0
+            if yield_gil:
+                time.sleep(0)
+    if pending:
+        chunks.append("".join(pending).encode("utf-8"))
+    return chunks
+
+
+async def encode_chunks_async(
+    registry: CollectorRegistry, *, openmetrics: bool = False, chunk_size: int = 64 * 1024
+) -> list[bytes]:
+    """:func:`encode_chunks` on the event loop, yielding to other tasks after every chunk: no
+    thread, no GIL hand-offs; each loop turn does at most one chunk of work."""
+    chunks: list[bytes] = []
+    pending: list[str] = []
+    size = 0
+    for line in _lines(registry, openmetrics):
+        pending.append(line)
+        size += len(line)
+        if size >= chunk_size:
+            chunks.append("".join(pending).encode("utf-8"))
+            pending.clear()
+            size = 0
+            await asyncio.sleep(0)
+    if pending:
+        chunks.append("".join(pending).encode("utf-8"))
+    return chunks
+
+
+def encode(registry: CollectorRegistry, *, openmetrics: bool = False) -> bytes:
+    """The registry in Prometheus text 0.0.4 (default) or OpenMetrics 1.0.0.
+
+    Families built here keep their label order; any other collector (e.g. ProcessCollector) is
+    encoded by prometheus_client itself. Thread-safe against event-loop mutation; CPU-bound, so
+    run it off the loop (``asyncio.to_thread``) for large registries, or use
+    :func:`encode_chunks`.
+    """
+    return b"".join(encode_chunks(registry, openmetrics=openmetrics))
+
+
+def wants_openmetrics(accept: str | None) -> bool:
+    """True when any ``Accept`` member's media type is ``application/openmetrics-text`` (as
+    ztunnel decides; q-values are not ranked)."""
+    if not accept:
+        return False
+    return any(
+        part.split(";", 1)[0].strip().lower() == "application/openmetrics-text"
+        for part in accept.split(",")
+    )
+
+
+# --- the metric set ------------------------------------------------------------------------------
+
+
+class InpodMetrics:
+    """In-pod proxy counts. Names as istio/ztunnel HEAD registers them: on the root registry
+    under ``workload_manager_`` (the README's ``istio_active_proxy_count_total`` etc. are older
+    names)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.active_proxy_count = Family(
+            "workload_manager_active_proxy_count",
+            "The total number current workloads with active proxies (unstable).",
+            "gauge",
+            registry=registry,
+        ).labels()
+        self.pending_proxy_count = Family(
+            "workload_manager_pending_proxy_count",
+            "The total number current workloads with pending proxies (unstable).",
+            "gauge",
+            registry=registry,
+        ).labels()
+        self.proxies_started = Family(
+            "workload_manager_proxies_started",
+            "The total number of proxies that were started (unstable).",
+            "counter",
+            registry=registry,
+        ).labels()
+        self.proxies_stopped = Family(
+            "workload_manager_proxies_stopped",
+            "The total number of proxies that were stopped (unstable).",
+            "counter",
+            registry=registry,
+        ).labels()
+
+
+class Metrics:
+    """Every ztunnel metric, registered on ``registry``. Build once; pass down.
+
+    ``inpod`` adds the workload-manager proxy counts (shared mode only, as in Rust);
+    ``process`` adds prometheus_client's ProcessCollector (``process_open_fds``,
+    ``process_max_fds``, CPU, memory).
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        tag: str = __version__,
+        inpod: bool = False,
+        process: bool = True,
+    ) -> None:
+        self.registry = registry
+        labels = TRAFFIC_LABEL_NAMES
+        self.connections_opened = Family(
+            "istio_tcp_connections_opened",
+            "The total number of TCP connections opened.",
+            "counter",
+            labels,
+            registry=registry,
+        )
+        self.connections_closed = Family(
+            "istio_tcp_connections_closed",
+            "The total number of TCP connections closed.",
+            "counter",
+            labels,
+            registry=registry,
+        )
+        self.received_bytes = Family(
+            "istio_tcp_received_bytes",
+            "The size of total bytes received during request in case of a TCP connection.",
+            "counter",
+            labels,
+            registry=registry,
+        )
+        self.sent_bytes = Family(
+            "istio_tcp_sent_bytes",
+            "The size of total bytes sent during response in case of a TCP connection.",
+            "counter",
+            labels,
+            registry=registry,
+        )
+        self.connections_failed = Family(
+            "istio_tcp_connections_failed",
+            "The total number of TCP connections that failed to establish (unstable).",
+            "counter",
+            labels,
+            registry=registry,
+        )
+        self.sockets_open = Family(
+            "istio_tcp_sockets_open",
+            "The current number of open TCP sockets (unstable).",
+            "gauge",
+            ("reporter",),
+            registry=registry,
+        )
+        self._socket_cells = {r: self.sockets_open.labels(r.value) for r in Reporter}
+        build = Family(
+            "istio_build",
+            "Istio component build info.",
+            "gauge",
+            ("component", "tag"),
+            registry=registry,
+        )
+        build.labels("ztunnel", tag).set(1)
+        self.inpod = InpodMetrics(registry) if inpod else None
+        if process:
+            ProcessCollector(registry=registry)
+
+    # -- sockets ------------------------------------------------------------------------------
+
+    def socket_opened(self, reporter: Reporter) -> None:
+        """An accepted socket (outbound listener: source; inbound listeners: destination)."""
+        self._socket_cells[reporter].value += 1
+
+    def socket_closed(self, reporter: Reporter) -> None:
+        self._socket_cells[reporter].value -= 1
+
+    # -- connections --------------------------------------------------------------------------
+
+    def open_connection(self, labels: tuple[str, ...]) -> ConnectionMetrics:
+        """Count a connection as opened (route chosen) and return its handle.
+
+        ``labels`` come from :func:`traffic_labels` (response flag ``-``)."""
+        return ConnectionMetrics(self, labels)
+
+    def open_for_record(
+        self,
+        rec: RecordLike,
+        *,
+        mtls: bool,
+        baggage: BaggageLike | None = None,
+    ) -> ConnectionMetrics:
+        """:meth:`open_connection` from a ``ConnectionRecord``-shaped object.
+
+        ``rec.src_identity`` becomes ``source_principal`` only when ``mtls`` (Rust: outbound
+        reports its own identity only for HBONE; inbound the verified peer)."""
+        reporter = reporter_for_direction(rec.direction)
+        labels = traffic_labels(
+            reporter,
+            source=rec.src_workload,
+            source_identity=rec.src_identity if mtls else None,
+            baggage=baggage,
+            destination=rec.dst_workload,
+            destination_service=rec.dst_service,
+            destination_identity=rec.dst_identity,
+            security_policy=SecurityPolicy.MUTUAL_TLS if mtls else SecurityPolicy.UNKNOWN,
+        )
+        return ConnectionMetrics(self, labels)
+
+
+class RecordLike(Protocol):
+    """What :meth:`Metrics.open_for_record` reads (``ztunnel.proxy.context.ConnectionRecord``)."""
+
+    @property
+    def direction(self) -> str: ...
+    @property
+    def src_workload(self) -> Workload | None: ...
+    @property
+    def dst_workload(self) -> Workload | None: ...
+    @property
+    def dst_service(self) -> Service | None: ...
+    @property
+    def src_identity(self) -> Identity | None: ...
+    @property
+    def dst_identity(self) -> Identity | None: ...
+
+
+class ConnectionMetrics:
+    """The metrics of one proxied connection, from "opened" to "closed".
+
+    Creating it bumps ``opened``. ``flush(bytes_sent, bytes_recv)`` takes the connection's
+    running totals from the local pod's perspective (``ConnectionRecord.bytes_sent`` /
+    ``bytes_recv``) and adds what is new since the last call to the byte counters; call it as
+    often as useful (periodically, and at close). Metric direction (Istio convention):
+    ``istio_tcp_received_bytes`` = request bytes (downstream -> upstream), ``istio_tcp_sent_bytes``
+    = response bytes; so outbound maps sent->received, inbound maps sent->sent.
+    ``close()`` bumps ``closed`` (labelled with the response flag) and, for a flag other than
+    ``-``, ``failed``. Closing twice is a no-op.
+    """
+
+    __slots__ = ("_closed", "_recv", "_recv_cell", "_sent", "_sent_cell", "labels", "metrics")
+
+    def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
+        self.metrics = metrics
+        self.labels = labels
+        self._closed = False
+        self._sent = 0
+        self._recv = 0
+        request = metrics.received_bytes.labels(*labels)
+        response = metrics.sent_bytes.labels(*labels)
+        # Where the local pod's sent/received bytes go: outbound it sends the request and
+        # receives the response; inbound the other way round.
+        if labels[0] == Reporter.SOURCE.value:
+            self._sent_cell, self._recv_cell = request, response
+        else:
+            self._sent_cell, self._recv_cell = response, request
+        metrics.connections_opened.labels(*labels).value += 1
+
+    def flush(self, bytes_sent: int, bytes_recv: int) -> None:
+        """Report running totals (local pod's perspective); only the increase is counted."""
+        d = bytes_sent - self._sent
+        if d > 0:
+            self._sent = bytes_sent
+            self._sent_cell.value += d
+        d = bytes_recv - self._recv
+        if d > 0:
+            self._recv = bytes_recv
+            self._recv_cell.value += d
+
+    def close(
+        self,
+        bytes_sent: int | None = None,
+        bytes_recv: int | None = None,
+        *,
+        flag: ResponseFlag = ResponseFlag.NONE,
+    ) -> None:
+        """Final flush (if totals are given), then count the connection as closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(
+            self._sent if bytes_sent is None else bytes_sent,
+            self._recv if bytes_recv is None else bytes_recv,
+        )
+        key = with_flag(self.labels, flag)
+        self.metrics.connections_closed.labels(*key).value += 1
+        if flag is not ResponseFlag.NONE:
+            self.metrics.connections_failed.labels(*key).value += 1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
