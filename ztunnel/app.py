@@ -12,9 +12,19 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from ztunnel import __version__
+from ztunnel.admin import AdminHandler, bind_admin
+from ztunnel.admin.http import HttpServer
+from ztunnel.admin.logctl import LogControl
+from ztunnel.admin.readiness import Readiness, ReadinessHandler, ReadyToken
+from ztunnel.admin.stats import StatsHandler
 from ztunnel.config import Config, CopyMode, ProxyMode
 from ztunnel.core.addr import IPAddr, parse_ip
 from ztunnel.identity.caclient import IstioCAClient
@@ -22,14 +32,18 @@ from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
 from ztunnel.inpod.client import ZdsClient
 from ztunnel.inpod.manager import InPodManager
+from ztunnel.metrics import Metrics
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import ProxyInstance, instance_factory
-from ztunnel.state.localconfig import load_local_config
+from ztunnel.state.authz import PolicyIndex
+from ztunnel.state.localconfig import LocalConfig, load_local_config
 from ztunnel.state.model import TunnelProtocol, Workload
-from ztunnel.state.store import State
+from ztunnel.state.store import ChangeKind, State, StateChange
 from ztunnel.xds.client import AdsClient, StateUpdater
 
 log = logging.getLogger("ztunnel.app")
+
+METRICS_FLUSH_INTERVAL = 5.0
 
 
 class StartupError(Exception):
@@ -47,6 +61,16 @@ class App:
     _zds_task: asyncio.Task[None] | None = None
     xds: AdsClient | None = None
     ca_client: IstioCAClient | None = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    metrics: Metrics | None = None
+    policies: PolicyIndex | None = None
+    readiness: Readiness = field(default_factory=Readiness)
+    servers: list[HttpServer] = field(default_factory=list)
+    local_config: LocalConfig | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _recheck_scheduled: bool = False
+    _snapshot_done: bool = False
+    _shutdown_done: asyncio.Event = field(default_factory=asyncio.Event)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     # --- build ----------------------------------------------------------------------------------
@@ -64,6 +88,7 @@ class App:
         except ValueError as e:
             raise StartupError(f"local config: {e}") from None
         local.apply_to(self.state)
+        self.local_config = local
         log.info(
             "loaded local config %s: %d workloads, %d services, %d policies",
             source,
@@ -101,17 +126,29 @@ class App:
         cfg = self.config
         log.info("ztunnel %s starting, mode=%s", __version__, cfg.proxy_mode.value)
         log.info("effective config: %s", cfg.summary())
+        proxy_ready = self.readiness.register("proxy")
         self.load_local_config()
         if cfg.copy_mode is CopyMode.SPLICE:
             self.pipes = PipePool()
         self.secrets = self._build_secrets()
+        self.metrics = Metrics(self.registry, inpod=cfg.proxy_mode is ProxyMode.SHARED)
+        self.policies = PolicyIndex.from_state(self.state)
+        self.state.subscribe(self._on_state_change)
+        self._bind_servers()
         if cfg.xds_address is not None:
+            xds_ready = self.readiness.register("xds")
             self.xds = AdsClient(
                 cfg, _Updater(self.state, self.secrets, cfg.node_name), env=os.environ
             )
             self.xds.start()
+            self._spawn(self._when_synced(self.xds, xds_ready))
             log.info("xDS: connecting to %s", cfg.xds_address)
-        build = instance_factory(cfg, self.state, self.secrets, self.pipes)
+        for server in self.servers:
+            await server.start()
+        self._spawn(self._flush_metrics_forever())
+        build = instance_factory(
+            cfg, self.state, self.secrets, self.pipes, metrics=self.metrics, policies=self.policies
+        )
         if cfg.proxy_mode is ProxyMode.DEDICATED:
             assert cfg.proxy_workload_info is not None
             proxy = ProxyInstance(
@@ -121,6 +158,8 @@ class App:
                 self.pipes,
                 cfg.proxy_workload_info,
                 extra_local_ips=self._instance_ips(),
+                metrics=self.metrics,
+                policies=self.policies,
             )
             try:
                 proxy.bind()
@@ -128,16 +167,126 @@ class App:
                 raise StartupError(f"cannot bind listeners: {e}") from None
             proxy.start()
             self.dedicated = proxy
+            proxy_ready.done()
         else:
-            self.inpod = InPodManager(build)
+            self.inpod = InPodManager(build, on_change=lambda: self._inpod_readiness(proxy_ready))
             client = ZdsClient(
                 str(cfg.inpod_uds),
                 self.inpod,
-                on_snapshot_done=lambda: log.info("in-pod: node agent snapshot applied"),
-                on_disconnected=lambda: log.warning("in-pod: node agent connection lost"),
+                on_snapshot_done=lambda: self._inpod_readiness(proxy_ready, snapshot=True),
+                on_disconnected=lambda: self._inpod_readiness(proxy_ready, snapshot=False),
             )
             self._zds_task = asyncio.get_running_loop().create_task(client.run())
             log.info("in-pod mode: waiting for pods from the node agent at %s", cfg.inpod_uds)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _when_synced(self, xds: AdsClient, token: ReadyToken) -> None:
+        await xds.wait_synced()
+        log.info("xDS: initial sync complete")
+        token.done()
+
+    def _inpod_readiness(self, token: ReadyToken, snapshot: bool | None = None) -> None:
+        """In-pod: ready once the node agent's snapshot is in and no pod is pending; not ready
+        again while the node agent connection is down."""
+        if snapshot is not None:
+            self._snapshot_done = snapshot
+            if snapshot:
+                log.info("in-pod: node agent snapshot applied")
+            else:
+                log.warning("in-pod: node agent connection lost")
+        manager = self.inpod
+        if manager is None:
+            return
+        if self.metrics is not None and self.metrics.inpod is not None:
+            self.metrics.inpod.active_proxy_count.set(manager.active)
+            self.metrics.inpod.pending_proxy_count.set(manager.pending)
+            self.metrics.inpod.proxies_started.set(manager.started_total)
+            self.metrics.inpod.proxies_stopped.set(manager.stopped_total)
+        if self._snapshot_done and manager.pending == 0:
+            token.done()
+        else:
+            token.not_ready_again()
+
+    def _instances(self) -> list[ProxyInstance]:
+        if self.dedicated is not None:
+            return [self.dedicated]
+        if self.inpod is not None:
+            return self.inpod.instances()
+        return []
+
+    def _on_state_change(self, change: StateChange) -> None:
+        # Policies or a workload's policy list changed: re-check live inbound connections, once
+        # per burst of changes (an xDS response applies many at a time).
+        if change.kind is ChangeKind.SERVICE or self._recheck_scheduled:
+            return
+        self._recheck_scheduled = True
+        asyncio.get_running_loop().call_soon(self._recheck_policies)
+
+    def _recheck_policies(self) -> None:
+        self._recheck_scheduled = False
+        closed = sum(inst.recheck_policies() for inst in self._instances())
+        if closed:
+            log.info("policy change closed %d connection(s)", closed)
+
+    async def _flush_metrics_forever(self) -> None:
+        """Byte counters move during long connections, not only at close."""
+        while True:
+            await asyncio.sleep(METRICS_FLUSH_INTERVAL)
+            for inst in self._instances():
+                inst.ctx.tracker.flush_metrics()
+
+    def _bind_servers(self) -> None:
+        cfg = self.config
+        wildcard = "::" if cfg.ipv6_enabled and socket.has_ipv6 else "0.0.0.0"
+        try:
+            if cfg.stats_port:
+                stats = StatsHandler(self.registry)
+                self.servers.append(HttpServer.bind("stats", [(wildcard, cfg.stats_port)], stats))
+            if cfg.readiness_port:
+                ready = ReadinessHandler(self.readiness)
+                self.servers.append(
+                    HttpServer.bind("readiness", [(wildcard, cfg.readiness_port)], ready)
+                )
+            if cfg.admin_port:
+                handler = AdminHandler(
+                    state=lambda: self.state,
+                    config=cfg.summary,
+                    certificates=lambda: self.secrets.statuses() if self.secrets else (),
+                    static=lambda: self.local_config,
+                    extra={"workloadState": self._workload_state},
+                    on_quit=self._quit,
+                    quit_deadline=cfg.connection_termination_deadline.total_seconds() + 1,
+                    log_control=LogControl(cfg.rust_log),
+                )
+                self.servers.append(bind_admin(handler, port=cfg.admin_port))
+        except OSError as e:
+            for server in self.servers:
+                for sock in server.socks:
+                    sock.close()
+            self.servers.clear()
+            raise StartupError(f"cannot bind the admin/stats/readiness servers: {e}") from None
+
+    def _workload_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for inst in self._instances():
+            out[inst.name] = {
+                "info": {
+                    "name": inst.info.name,
+                    "namespace": inst.info.namespace,
+                    "serviceAccount": inst.info.service_account,
+                },
+                "state": "Up",
+                "connections": inst.active_connections,
+            }
+        return out
+
+    async def _quit(self) -> None:
+        self.request_stop()
+        await self._shutdown_done.wait()
 
     def runtime_stats(self) -> dict[str, int]:
         stats = {
@@ -187,10 +336,18 @@ class App:
             log.warning(
                 "drain duration expired with %d pending connections, forcefully shutting down", cut
             )
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.policies is not None:
+            self.policies.close()
         if self.secrets is not None:
             await self.secrets.close()
         if self.ca_client is not None:
             await self.ca_client.close()
+        self._shutdown_done.set()
+        for server in self.servers:
+            await server.close()
         if self.pipes is not None:
             self.pipes.close()
         return cut

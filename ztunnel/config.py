@@ -128,7 +128,11 @@ class Config:
     connection_termination_deadline: timedelta = timedelta(seconds=5)
     copy_mode: CopyMode = CopyMode.SPLICE  # ZTUNNEL_COPY_MODE
 
-    # Observability
+    # Observability (the *_port knobs are Python-only, ZTUNNEL_{ADMIN,STATS,READINESS}_PORT: two
+    # ztunnels sharing one network namespace, as in tests, need different ones; 0 disables)
+    admin_port: int = ADMIN_PORT
+    stats_port: int = STATS_PORT
+    readiness_port: int = READINESS_PORT
     log_format: str = "plain"
     rust_log: str = "info"
 
@@ -378,6 +382,9 @@ def _build(e: _Env) -> Config:
         user_timeout_enabled=e.flag("USER_TIMEOUT_ENABLED", False),
         connection_termination_deadline=_termination_deadline(e),
         copy_mode=copy_mode,
+        admin_port=e.integer("ZTUNNEL_ADMIN_PORT", ADMIN_PORT, 0, 65535),
+        stats_port=e.integer("ZTUNNEL_STATS_PORT", STATS_PORT, 0, 65535),
+        readiness_port=e.integer("ZTUNNEL_READINESS_PORT", READINESS_PORT, 0, 65535),
         log_format=log_format,
         rust_log=e.get("RUST_LOG", "info") or "info",
     )

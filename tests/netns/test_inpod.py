@@ -57,8 +57,8 @@ class Cluster:
     zts: list[ZtunnelProcess] = field(default_factory=list)
     tmp: str = ""
 
-    def ztunnel(self, node: Node, loop: str = "uvloop") -> ZtunnelProcess:
-        env = {**self.env, "NODE_NAME": node.name, "INPOD_UDS": self.uds(node)}
+    def ztunnel(self, node: Node, loop: str = "uvloop", **extra: str) -> ZtunnelProcess:
+        env = {**self.env, "NODE_NAME": node.name, "INPOD_UDS": self.uds(node), **extra}
         zt = ZtunnelProcess(node, env, loop=loop).start()
         self.zts.append(zt)
         return zt
@@ -248,7 +248,14 @@ def test_upgrade_two_ztunnels_side_by_side_refuse_nothing() -> None:
         t.start()
         try:
             time.sleep(0.5)
-            cl.ztunnel(cl.n1)  # the new one gets the snapshot and binds with SO_REUSEPORT
+            # The new one gets the snapshot and binds in each pod with SO_REUSEPORT. (In a cluster
+            # it has a network namespace of its own; here it shares the node's, hence the ports.)
+            cl.ztunnel(
+                cl.n1,
+                ZTUNNEL_ADMIN_PORT="25000",
+                ZTUNNEL_STATS_PORT="25020",
+                ZTUNNEL_READINESS_PORT="25021",
+            )
             a1.wait_for_snapshot(count=2)
             time.sleep(0.5)
             assert old.stop() == 0  # the old one drains and exits

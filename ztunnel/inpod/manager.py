@@ -38,9 +38,14 @@ class _Pod:
 
 class InPodManager:
     def __init__(
-        self, build: ProxyBuilder, *, retry_interval: float = PENDING_RETRY_INTERVAL
+        self,
+        build: ProxyBuilder,
+        *,
+        retry_interval: float = PENDING_RETRY_INTERVAL,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self._build = build
+        self._on_change = on_change
         self._retry_interval = retry_interval
         self.pods: dict[str, _Pod] = {}
         self.started_total = 0
@@ -68,6 +73,7 @@ class InPodManager:
         error = self._try_start(pod)
         if error is not None:
             pod.retry = asyncio.get_running_loop().create_task(self._retry(pod))
+            self._on_change()
         return error
 
     async def keep(self, uid: str) -> None:
@@ -98,6 +104,7 @@ class InPodManager:
         proxy.start()
         pod.proxy = proxy
         self.started_total += 1
+        self._on_change()
         log.info("pod %s (%s/%s): proxy started", pod.uid, pod.info.namespace, pod.info.name)
         return None
 
@@ -126,7 +133,11 @@ class InPodManager:
                 log.info("pod %s: proxy stopped", pod.uid)
         finally:
             os.close(pod.netns_fd)
+            self._on_change()
         return cut
+
+    def instances(self) -> list[ProxyInstance]:
+        return [p.proxy for p in self.pods.values() if p.proxy is not None]
 
     @property
     def active(self) -> int:

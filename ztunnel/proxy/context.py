@@ -1,10 +1,12 @@
-"""What every listener of one proxy instance shares: config, state, sockets, pipes, local workload.
+"""What every listener of one proxy instance shares: config, state, sockets, pipes, local workload,
+metrics, policies; and the record of each live connection (access log, metrics, policy re-checks).
 
 In dedicated mode there is one instance for the process; in shared (in-pod) mode, one per pod.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -14,9 +16,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from ztunnel.config import Config
 from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.core.errors import AuthorizationDenied
 from ztunnel.core.identity import Identity
-from ztunnel.net.copy import PipePool
+from ztunnel.metrics import ConnectionMetrics, Metrics, flag_for
+from ztunnel.net.copy import CopyCounters, PipePool
 from ztunnel.proxy.sockets import SocketFactory
+from ztunnel.state.authz import Connection, PolicyIndex
 from ztunnel.state.model import Service, Workload
 from ztunnel.state.store import State
 
@@ -24,18 +29,9 @@ if TYPE_CHECKING:
     from ztunnel.proxy.route import Route
 
 access_log = logging.getLogger("access")
+log = logging.getLogger("ztunnel.proxy")
 
-
-@dataclass
-class ProxyContext:
-    config: Config
-    state: State
-    sockets: SocketFactory
-    pipes: PipePool | None
-    local_workload: Callable[[], Workload | None]
-    local_identity: Callable[[], Identity | None] = lambda: None
-    local_ips: Callable[[], frozenset[IPAddr]] = frozenset
-    hbone: HboneOutbound | None = None
+DRAIN_REASON = "connection closed due to connection drain"
 
 
 class HboneOutbound(Protocol):
@@ -44,9 +40,9 @@ class HboneOutbound(Protocol):
     ) -> None: ...
 
 
-@dataclass(slots=True)
+@dataclass(eq=False)
 class ConnectionRecord:
-    """One proxied connection, for the access log (and metrics)."""
+    """One proxied connection: its access-log fields, live byte counters and metrics handle."""
 
     direction: str  # "outbound" | "inbound"
     src: SocketAddr
@@ -58,8 +54,24 @@ class ConnectionRecord:
     src_identity: Identity | None = None
     dst_identity: Identity | None = None
     started: float = field(default_factory=time.monotonic)
-    bytes_sent: int = 0  # from the local pod's perspective (see reference 7)
+    bytes_sent: int = 0  # from the local pod's perspective (reference 7)
     bytes_recv: int = 0
+    metrics: ConnectionMetrics | None = None
+    # Live counters of the copy in progress; sent = down_to_up when ``sent_is_down_to_up``.
+    counters: CopyCounters | None = None
+    sent_is_down_to_up: bool = True
+    authz: Connection | None = None  # inbound: what the policies were checked against
+    close_reason: str | None = None  # set by whoever cancels the connection, for the log
+    task: asyncio.Task[None] | None = None
+    _done: bool = False
+
+    def live_bytes(self) -> tuple[int, int]:
+        c = self.counters
+        if c is None:
+            return self.bytes_sent, self.bytes_recv
+        if self.sent_is_down_to_up:
+            return c.down_to_up, c.up_to_down
+        return c.up_to_down, c.down_to_up
 
     def fields(self) -> dict[str, object]:
         out: dict[str, object] = {"src.addr": str(self.src)}
@@ -81,7 +93,18 @@ class ConnectionRecord:
         out["direction"] = self.direction
         return out
 
+    def log_opened(self) -> None:
+        if access_log.isEnabledFor(logging.DEBUG):
+            access_log.debug("connection opened", extra={"fields": self.fields()})
+
     def log_complete(self, error: BaseException | str | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self.counters is not None:
+            self.bytes_sent, self.bytes_recv = self.live_bytes()
+        if self.metrics is not None:
+            self.metrics.close(self.bytes_sent, self.bytes_recv, flag=flag_for(error))
         f = self.fields()
         f["bytes_sent"] = self.bytes_sent
         f["bytes_recv"] = self.bytes_recv
@@ -91,6 +114,84 @@ class ConnectionRecord:
             access_log.error("connection complete", extra={"fields": f})
         else:
             access_log.info("connection complete", extra={"fields": f})
+
+    def log_cancelled(self) -> None:
+        """The connection task was cancelled: by a policy change, a deleted pod or the drain."""
+        self.log_complete(self.close_reason or DRAIN_REASON)
+
+
+class ConnectionTracker:
+    """The live connections of one proxy instance, for metrics flushing and policy re-checks."""
+
+    def __init__(self) -> None:
+        self.live: set[ConnectionRecord] = set()
+
+    def add(self, rec: ConnectionRecord) -> None:
+        rec.task = asyncio.current_task()
+        self.live.add(rec)
+
+    def discard(self, rec: ConnectionRecord) -> None:
+        self.live.discard(rec)
+
+    def flush_metrics(self) -> None:
+        for rec in self.live:
+            if rec.metrics is not None:
+                rec.metrics.flush(*rec.live_bytes())
+
+    def recheck(self, index: PolicyIndex, workload: Workload | None) -> int:
+        """Close every inbound connection the current policies no longer allow."""
+        if workload is None:
+            return 0
+        closed = 0
+        for rec in list(self.live):
+            if rec.authz is None or rec.task is None or rec.task.done():
+                continue
+            decision = index.evaluate(workload, rec.authz)
+            if not decision.allowed:
+                rec.close_reason = f"connection closed because it is no longer allowed by policy: {decision.reason}"
+                log.info("%s: %s", rec.authz, rec.close_reason)
+                rec.task.cancel()
+                closed += 1
+        return closed
+
+
+@dataclass
+class ProxyContext:
+    config: Config
+    state: State
+    sockets: SocketFactory
+    pipes: PipePool | None
+    local_workload: Callable[[], Workload | None]
+    local_identity: Callable[[], Identity | None] = lambda: None
+    local_ips: Callable[[], frozenset[IPAddr]] = frozenset
+    hbone: HboneOutbound | None = None
+    metrics: Metrics | None = None
+    policies: PolicyIndex | None = None
+    tracker: ConnectionTracker = field(default_factory=ConnectionTracker)
+
+    def open_metrics(self, rec: ConnectionRecord, *, mtls: bool, baggage: object = None) -> None:
+        rec.log_opened()
+        if self.metrics is not None:
+            rec.metrics = self.metrics.open_for_record(rec, mtls=mtls, baggage=baggage)  # type: ignore[arg-type]
+
+    def authorize(self, rec: ConnectionRecord, workload: Workload) -> None:
+        """Check an inbound connection against the policies; raises AuthorizationDenied."""
+        if self.policies is None:
+            return
+        conn = Connection(
+            rec.src.ip, rec.src_identity, rec.dst.ip, rec.dst.port, self.config.network
+        )
+        decision = self.policies.evaluate(workload, conn)
+        if (summary := decision.dry_run_summary()) is not None:
+            log.log(
+                logging.INFO if decision.dry_run_differs else logging.DEBUG,
+                "dry-run authorization for %s: %s",
+                conn,
+                summary,
+            )
+        if not decision.allowed:
+            raise AuthorizationDenied(decision.reason)
+        rec.authz = conn
 
 
 def log_failed(direction: str, src: SocketAddr, dst: SocketAddr, error: BaseException) -> None:

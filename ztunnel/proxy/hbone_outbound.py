@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import ssl
@@ -154,11 +153,8 @@ class HboneConnector:
                     conn.h2.reset_stream(sid, h2.ErrorCode.CANCEL)
                     conn.flush()
                 return
-            try:
-                bridge = await conn.bridge(sid, sock)
-            except asyncio.CancelledError:
-                rec.log_complete("connection closed due to connection drain")
-                raise
+            # Cancellation (drain, policy, deleted pod) is logged by the caller.
+            bridge = await conn.bridge(sid, sock, rec.counters)
             rec.bytes_sent, rec.bytes_recv = bridge.tcp_to_h2, bridge.h2_to_tcp
             rec.log_complete(bridge.error)
         finally:

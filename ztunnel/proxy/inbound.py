@@ -12,16 +12,18 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 
 from ztunnel.config import ILLEGAL_PORTS
 from ztunnel.core.addr import IPAddr, SocketAddr
-from ztunnel.core.errors import ProxyError
+from ztunnel.core.errors import AuthorizationDenied, ProxyError
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import BAGGAGE, baggage
+from ztunnel.hbone.headers import BAGGAGE, baggage, parse_baggage
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
+from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
 from ztunnel.proxy.context import ConnectionRecord, ProxyContext
 from ztunnel.proxy.hbone_outbound import HboneSettings
@@ -120,14 +122,16 @@ class InboundHbone:
         ctx = self.ctx
         sid = ev.stream_id
 
-        def reject(status: int, why: str, rec: ConnectionRecord | None = None) -> None:
+        def reject(
+            status: int, why: str | BaseException, rec: ConnectionRecord | None = None
+        ) -> None:
             conn.respond(sid, status, [], end_stream=True)
             if rec is not None:
                 rec.log_complete(why)
             else:
                 log.warning(
                     "inbound HBONE request rejected",
-                    extra={"fields": {"src.addr": str(src), "status": status, "error": why}},
+                    extra={"fields": {"src.addr": str(src), "status": status, "error": str(why)}},
                 )
 
         bad = h2.connect_request_error(ev)
@@ -152,7 +156,9 @@ class InboundHbone:
             dst_workload=local,
             src_identity=peer_id,
             dst_identity=ctx.local_identity(),
+            counters=CopyCounters(),
         )
+        ctx.open_metrics(rec, mtls=True, baggage=parse_baggage(_header(ev.headers, BAGGAGE)))
         if local is None:
             reject(503, "failed to fetch information about local workload", rec)
             return
@@ -163,19 +169,47 @@ class InboundHbone:
             reject(400, f"call to ztunnel's own port refused: {target}", rec)
             return
         try:
+            ctx.authorize(rec, local)
+        except AuthorizationDenied as e:
+            reject(401, e, rec)
+            return
+        ctx.tracker.add(rec)
+        try:
+            await self._connect_and_bridge(conn, sid, rec, local, target, src, reject)
+        except asyncio.CancelledError:
+            rec.log_cancelled()
+            raise
+        finally:
+            ctx.tracker.discard(rec)
+
+    async def _connect_and_bridge(
+        self,
+        conn: HboneConnection,
+        sid: int,
+        rec: ConnectionRecord,
+        local: Workload,
+        target: SocketAddr,
+        src: SocketAddr,
+        reject: Callable[[int, str | BaseException, ConnectionRecord | None], None],
+    ) -> None:
+        ctx = self.ctx
+        try:
             upstream = await ctx.sockets.connect(target, spoof_source=src.ip)
         except ProxyError as e:
-            reject(503, str(e), rec)
+            reject(503, e, rec)
             return
         headers: list[tuple[str, str]] = []
         if ctx.config.enable_response_baggage and (bag := baggage(local, ctx.config.cluster_id)):
             headers.append((BAGGAGE, bag))
         conn.respond(sid, 200, headers, end_stream=False)
-        try:
-            bridge = await conn.bridge(sid, upstream)
-        except asyncio.CancelledError:
-            rec.log_complete("connection closed due to connection drain")
-            raise
+        bridge = await conn.bridge(sid, upstream, rec.counters)
         # Inbound: "sent" is what the local app sent back.
         rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
         rec.log_complete(bridge.error)
+
+
+def _header(headers: h2.Headers, name: str) -> str | None:
+    for k, v in headers:
+        if k == name:
+            return v
+    return None

@@ -6,11 +6,12 @@ client's source IP when the kernel allows) and copy. Authorization comes with th
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 from ztunnel.config import ILLEGAL_PORTS
-from ztunnel.core.errors import ProxyError, SelfCallError
-from ztunnel.net.copy import copy_bidirectional
+from ztunnel.core.errors import AuthorizationDenied, ProxyError, SelfCallError
+from ztunnel.net.copy import CopyCounters, copy_bidirectional
 from ztunnel.net.sockopt import original_dst, peer_addr
 from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
 from ztunnel.state.model import NetworkAddress
@@ -30,6 +31,7 @@ class InboundPassthrough:
         if dst.port in ILLEGAL_PORTS:
             log_failed("inbound", src, dst, SelfCallError(dst))
             return
+        local = ctx.local_workload()
         rec = ConnectionRecord(
             "inbound",
             src,
@@ -37,14 +39,30 @@ class InboundPassthrough:
             src_workload=ctx.state.find_workload_by_addr(
                 NetworkAddress(ctx.config.network, src.ip)
             ),
-            dst_workload=ctx.local_workload(),
+            dst_workload=local,
+            counters=CopyCounters(),
+            sent_is_down_to_up=False,  # inbound "sent" is the app's reply: upstream -> downstream
         )
+        ctx.open_metrics(rec, mtls=False)
+        if local is not None:
+            try:
+                ctx.authorize(rec, local)  # plaintext: no identity, so STRICT-style DENYs apply
+            except AuthorizationDenied as e:
+                rec.log_complete(e)
+                return
+        ctx.tracker.add(rec)
         try:
-            upstream = await ctx.sockets.connect(dst, spoof_source=src.ip)
-        except ProxyError as e:
-            rec.log_complete(e)
-            return
-        result = await copy_bidirectional(sock, upstream, pipes=ctx.pipes)
-        # Inbound: "sent" is what the local app sent back (the response direction).
-        rec.bytes_recv, rec.bytes_sent = result.down_to_up, result.up_to_down
-        rec.log_complete(result.error)
+            try:
+                upstream = await ctx.sockets.connect(dst, spoof_source=src.ip)
+            except ProxyError as e:
+                rec.log_complete(e)
+                return
+            result = await copy_bidirectional(
+                sock, upstream, pipes=ctx.pipes, counters=rec.counters
+            )
+            rec.log_complete(result.error)
+        except asyncio.CancelledError:
+            rec.log_cancelled()
+            raise
+        finally:
+            ctx.tracker.discard(rec)

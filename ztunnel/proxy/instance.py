@@ -17,6 +17,7 @@ from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Co
 from ztunnel.core.addr import IPAddr
 from ztunnel.core.identity import Identity
 from ztunnel.identity.manager import SecretManager
+from ztunnel.metrics import Metrics, Reporter
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.hbone_outbound import HboneConnector
@@ -25,6 +26,7 @@ from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.outbound import Outbound
 from ztunnel.proxy.sockets import SocketFactory
+from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.model import Workload
 from ztunnel.state.store import State
 
@@ -43,6 +45,8 @@ class ProxyInstance:
         netns_fd: int | None = None,
         extra_local_ips: frozenset[IPAddr] = frozenset(),
         name: str = "",
+        metrics: Metrics | None = None,
+        policies: PolicyIndex | None = None,
     ) -> None:
         self.config = config
         self.state = state
@@ -65,6 +69,8 @@ class ProxyInstance:
             local_workload=self.workload,
             local_identity=self.identity,
             local_ips=self.local_ips,
+            metrics=metrics,
+            policies=policies,
         )
         self.connector = HboneConnector(config, self.sockets, secrets)
         self.ctx.hbone = self.connector
@@ -95,13 +101,21 @@ class ProxyInstance:
     def bind(self) -> None:
         """Create all listening sockets (inside the netns); on any failure, none stay open."""
         handlers = (
-            (OUTBOUND_PORT, "outbound", Outbound(self.ctx).handle),
-            (INBOUND_PLAINTEXT_PORT, "inbound_passthrough", InboundPassthrough(self.ctx).handle),
-            (HBONE_PORT, "inbound", self.inbound.handle),
+            (OUTBOUND_PORT, "outbound", Outbound(self.ctx).handle, Reporter.SOURCE),
+            (
+                INBOUND_PLAINTEXT_PORT,
+                "inbound_passthrough",
+                InboundPassthrough(self.ctx).handle,
+                Reporter.DESTINATION,
+            ),
+            (HBONE_PORT, "inbound", self.inbound.handle, Reporter.DESTINATION),
         )
         try:
-            for port, name, handler in handlers:
-                self.listeners.append(Listener(self._listen(port), handler, f"{self.name} {name}"))
+            for port, name, handler, reporter in handlers:
+                lst = Listener(self._listen(port), handler, f"{self.name} {name}")
+                if self.ctx.metrics is not None:
+                    lst.on_socket = _socket_gauge(self.ctx.metrics, reporter)
+                self.listeners.append(lst)
         except BaseException:
             for lst in self.listeners:
                 lst.sock.close()
@@ -147,15 +161,47 @@ class ProxyInstance:
         self.connector.pool.close()
         return cut
 
+    def recheck_policies(self) -> int:
+        """Close inbound connections the current policies no longer allow."""
+        if self.ctx.policies is None:
+            return 0
+        return self.ctx.tracker.recheck(self.ctx.policies, self.workload())
+
     async def close(self) -> None:
         """Immediate: listeners and every connection close now (a deleted pod)."""
         await self.drain(0)
 
 
+def _socket_gauge(metrics: Metrics, reporter: Reporter) -> Callable[[bool], None]:
+    def on_socket(opened: bool) -> None:
+        if opened:
+            metrics.socket_opened(reporter)
+        else:
+            metrics.socket_closed(reporter)
+
+    return on_socket
+
+
 def instance_factory(
-    config: Config, state: State, secrets: SecretManager, pipes: PipePool | None
+    config: Config,
+    state: State,
+    secrets: SecretManager,
+    pipes: PipePool | None,
+    *,
+    metrics: Metrics | None = None,
+    policies: PolicyIndex | None = None,
 ) -> Callable[[WorkloadInfo, int | None, str], ProxyInstance]:
     def build(info: WorkloadInfo, netns_fd: int | None, name: str) -> ProxyInstance:
-        return ProxyInstance(config, state, secrets, pipes, info, netns_fd=netns_fd, name=name)
+        return ProxyInstance(
+            config,
+            state,
+            secrets,
+            pipes,
+            info,
+            netns_fd=netns_fd,
+            name=name,
+            metrics=metrics,
+            policies=policies,
+        )
 
     return build

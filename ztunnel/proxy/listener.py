@@ -66,6 +66,7 @@ class Listener:
         self._accepting = False
         self._resume: asyncio.TimerHandle | None = None
         self.accepted = 0
+        self.on_socket: Callable[[bool], None] | None = None  # accepted (True) / closed (False)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -109,6 +110,8 @@ class Listener:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, conn: socket.socket) -> None:
+        if self.on_socket is not None:
+            self.on_socket(True)
         try:
             await self._handler(conn)
         except asyncio.CancelledError:
@@ -119,6 +122,8 @@ class Listener:
             # Handlers normally hand the socket to the copy engine, which closes it; this is the
             # safety net for early failures. close() on a closed socket is a no-op.
             conn.close()
+            if self.on_socket is not None:
+                self.on_socket(False)
 
     def _pause_accepting(self) -> None:
         assert self._loop is not None

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 
 from ztunnel.core.errors import ProxyError
-from ztunnel.net.copy import copy_bidirectional
+from ztunnel.net.copy import CopyCounters, copy_bidirectional
 from ztunnel.net.sockopt import original_dst, peer_addr
 from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
 from ztunnel.proxy.route import RouteKind, decide_outbound
@@ -33,6 +34,7 @@ class Outbound:
         except ProxyError as e:
             log_failed("outbound", src, dst, e)
             return
+        hbone = route.kind is RouteKind.HBONE
         rec = ConnectionRecord(
             "outbound",
             src,
@@ -41,18 +43,29 @@ class Outbound:
             src_workload=source,
             dst_workload=route.destination_workload,
             dst_service=route.destination_service,
+            src_identity=source.identity if hbone and source is not None else None,
+            counters=CopyCounters(),
         )
-        if route.kind is RouteKind.HBONE:
-            if ctx.hbone is None:
-                rec.log_complete("HBONE is not available in this build")
-                return
-            await ctx.hbone.proxy_outbound(sock, route, rec)
-            return
+        ctx.open_metrics(rec, mtls=hbone)
+        ctx.tracker.add(rec)
         try:
-            upstream = await ctx.sockets.connect(route.target)
-        except ProxyError as e:
-            rec.log_complete(e)
-            return
-        result = await copy_bidirectional(sock, upstream, pipes=ctx.pipes)
-        rec.bytes_sent, rec.bytes_recv = result.down_to_up, result.up_to_down
-        rec.log_complete(result.error)
+            if hbone:
+                if ctx.hbone is None:
+                    rec.log_complete("HBONE is not available in this build")
+                    return
+                await ctx.hbone.proxy_outbound(sock, route, rec)
+                return
+            try:
+                upstream = await ctx.sockets.connect(route.target)
+            except ProxyError as e:
+                rec.log_complete(e)
+                return
+            result = await copy_bidirectional(
+                sock, upstream, pipes=ctx.pipes, counters=rec.counters
+            )
+            rec.log_complete(result.error)
+        except asyncio.CancelledError:
+            rec.log_cancelled()
+            raise
+        finally:
+            ctx.tracker.discard(rec)
