@@ -1427,7 +1427,9 @@ class H2Connection:
     def _send_header_block(
         self, sid: int, fields: list[tuple[bytes, bytes]], end_stream: bool
     ) -> None:
-        block: bytes = self._encoder.encode(fields)
+        # No Huffman coding: pure-Python Huffman cost ~7% of CPU per tunnelled connection, and
+        # HBONE header blocks are small (benchmarks/README.md, bench_hbone profile).
+        block: bytes = self._encoder.encode(fields, huffman=False)
         mfs = self._remote.max_frame_size
         flags = FLAG_END_STREAM if end_stream else 0
         out = self._out

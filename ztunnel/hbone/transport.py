@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
+from ztunnel.identity.tls import peer_identity
 from ztunnel.net.copy import CopyCounters
 
 log = logging.getLogger("ztunnel.hbone")
@@ -349,6 +351,7 @@ class HboneConnection:
         self.h2 = h2c
         self.on_request = on_request
         self.peer_der = sslobj.getpeercert(binary_form=True) or b""
+        self._peer_identity: Identity | bool | None = False  # False: not parsed yet
         self._recv_buf = bytearray(_RECV_SIZE)
         self._recv_view = memoryview(self._recv_buf)
         self._plain_buf = bytearray(_PLAIN_SIZE)
@@ -374,6 +377,14 @@ class HboneConnection:
         if keepalive:
             self._keepalive = self.loop.call_later(KEEPALIVE_INTERVAL, self._on_keepalive)
         self.flush()
+
+    @property
+    def peer_identity(self) -> Identity | None:
+        """The peer's SPIFFE identity (first URI SAN), parsed once per connection."""
+        if self._peer_identity is False:
+            self._peer_identity = peer_identity(self.peer_der) if self.peer_der else None
+        assert self._peer_identity is not True
+        return self._peer_identity
 
     # --- sending ---------------------------------------------------------------------------
 

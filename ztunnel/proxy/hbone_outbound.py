@@ -25,7 +25,6 @@ from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import (
     TlsIdentityError,
     client_context,
-    peer_identity,
     verify_server_identity,
 )
 from ztunnel.proxy.context import ConnectionRecord
@@ -162,4 +161,4 @@ class HboneConnector:
 
 
 def _peer(conn: HboneConnection) -> Identity | None:
-    return peer_identity(conn.peer_der) if conn.peer_der else None
+    return conn.peer_identity
