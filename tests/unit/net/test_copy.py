@@ -1,0 +1,682 @@
+"""copy_bidirectional on loopback: integrity, half-close, resets, cancellation, counters, churn, pipes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import random
+import socket
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import pytest
+
+from ztunnel.net import copy as copy_mod
+from ztunnel.net.copy import CopyCounters, CopyResult, PipePool, Side, copy_bidirectional
+
+pytestmark = pytest.mark.timeout(30)
+
+PATHS = ["splice", "buffered"]
+MiB = 1 << 20
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected blocking loopback TCP sockets (connector, acceptor)."""
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        a = socket.create_connection(lst.getsockname())
+        b, _ = lst.accept()
+    return a, b
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def make_pool(path: str) -> PipePool | None:
+    return PipePool() if path == "splice" else None
+
+
+@dataclass
+class Leg:
+    """One proxied connection: client <-> [down  engine  up] <-> server."""
+
+    client: socket.socket
+    down: socket.socket
+    up: socket.socket
+    server: socket.socket
+    extra: list[socket.socket] = field(default_factory=list)
+
+    def close_ends(self) -> None:
+        for s in (self.client, self.server, *self.extra):
+            s.close()
+
+
+def make_leg() -> Leg:
+    client, down = tcp_pair()
+    up, server = tcp_pair()
+    return Leg(client, down, up, server)
+
+
+def pattern(seed: int, total: int) -> Callable[[], bytes | None]:
+    """Deterministic pseudo-random chunks of varying size (so reordering bugs change the hash)."""
+    rnd = random.Random(seed)
+    base = rnd.randbytes(4 * MiB)
+    left = total
+
+    def nxt() -> bytes | None:
+        nonlocal left
+        if left <= 0:
+            return None
+        size = min(left, rnd.randint(1, 1 * MiB))
+        off = rnd.randint(0, len(base) - size)
+        left -= size
+        return base[off : off + size]
+
+    return nxt
+
+
+def send_all_then_fin(sock: socket.socket, seed: int, total: int) -> str:
+    h = hashlib.sha256()
+    nxt = pattern(seed, total)
+    while (chunk := nxt()) is not None:
+        sock.sendall(chunk)
+        h.update(chunk)
+    sock.shutdown(socket.SHUT_WR)
+    return h.hexdigest()
+
+
+def recv_to_eof(sock: socket.socket, delay: float = 0.0) -> tuple[int, str]:
+    h = hashlib.sha256()
+    n = 0
+    buf = bytearray(256 * 1024)
+    while True:
+        k = sock.recv_into(buf)
+        if not k:
+            return n, h.hexdigest()
+        n += k
+        h.update(memoryview(buf)[:k])
+        if delay:
+            time.sleep(delay)
+
+
+T = TypeVar("T")
+
+
+async def in_thread(fn: Callable[[], T]) -> T:
+    return await asyncio.to_thread(fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# bulk integrity
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+async def test_large_transfer_both_ways(path: str) -> None:
+    size = 64 * MiB
+    pool = make_pool(path)
+    leg = make_leg()
+    try:
+        copy_task = asyncio.create_task(copy_bidirectional(leg.down, leg.up, pipes=pool))
+        results = await asyncio.gather(
+            in_thread(lambda: send_all_then_fin(leg.client, 1, size)),
+            in_thread(lambda: recv_to_eof(leg.server)),
+            in_thread(lambda: send_all_then_fin(leg.server, 2, size)),
+            in_thread(lambda: recv_to_eof(leg.client)),
+        )
+        res = await asyncio.wait_for(copy_task, 10)
+    finally:
+        leg.close_ends()
+    c_sent, s_got, s_sent, c_got = results
+    assert s_got == (size, c_sent)
+    assert c_got == (size, s_sent)
+    assert res == CopyResult(size, size, None, None)
+    assert leg.down.fileno() == -1 and leg.up.fileno() == -1
+    if pool is not None:
+        st = pool.stats()
+        assert st.in_use == 0
+        assert st.created <= 2  # at most one pipe per direction in flight
+        pool.close()
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+async def test_small_send_buffers_force_partial_writes(path: str) -> None:
+    """Tiny proxy-side send buffers: every pipeful/bufferful drains over many partial writes."""
+    size = 4 * MiB
+    pool = make_pool(path)
+    leg = make_leg()
+    for s in (leg.down, leg.up):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
+    try:
+        copy_task = asyncio.create_task(copy_bidirectional(leg.down, leg.up, pipes=pool))
+        results = await asyncio.gather(
+            in_thread(lambda: send_all_then_fin(leg.client, 11, size)),
+            in_thread(lambda: recv_to_eof(leg.server, delay=0.0002)),
+            in_thread(lambda: send_all_then_fin(leg.server, 12, size)),
+            in_thread(lambda: recv_to_eof(leg.client, delay=0.0002)),
+        )
+        res = await asyncio.wait_for(copy_task, 15)
+    finally:
+        leg.close_ends()
+    c_sent, s_got, s_sent, c_got = results
+    assert s_got == (size, c_sent)
+    assert c_got == (size, s_sent)
+    assert res == CopyResult(size, size)
+    if pool is not None:
+        assert pool.stats().in_use == 0
+        pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# half-close
+
+
+def request_then_long_reply(first: socket.socket, second: socket.socket, reply: int) -> None:
+    """`first` sends a request and FIN; `second` reads it to EOF, then sends a long reply and FIN."""
+    first.sendall(b"q" * 100_000)
+    first.shutdown(socket.SHUT_WR)
+    got, _ = recv_to_eof(second)
+    assert got == 100_000
+    send_all_then_fin(second, 7, reply)
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("who_closes_first", ["client", "server"])
+async def test_half_close_keeps_other_direction(path: str, who_closes_first: str) -> None:
+    reply = 16 * MiB
+    pool = make_pool(path)
+    leg = make_leg()
+    first, second = (
+        (leg.client, leg.server) if who_closes_first == "client" else (leg.server, leg.client)
+    )
+    try:
+        copy_task = asyncio.create_task(copy_bidirectional(leg.down, leg.up, pipes=pool))
+        _, (got, _) = await asyncio.gather(
+            in_thread(lambda: request_then_long_reply(first, second, reply)),
+            # the half-closed side reads slowly at first so the FIN overtakes nothing
+            in_thread(lambda: recv_to_eof(first)),
+        )
+        res = await asyncio.wait_for(copy_task, 10)
+    finally:
+        leg.close_ends()
+    assert got == reply
+    assert res.error is None
+    if who_closes_first == "client":
+        assert (res.down_to_up, res.up_to_down) == (100_000, reply)
+    else:
+        assert (res.down_to_up, res.up_to_down) == (reply, 100_000)
+    if pool is not None:
+        assert pool.stats().in_use == 0
+        pool.close()
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+async def test_half_close_propagates_fin_without_closing(path: str) -> None:
+    """A FIN from the client reaches the server as EOF while the proxy keeps both sockets open."""
+    pool = make_pool(path)
+    leg = make_leg()
+    try:
+        copy_task = asyncio.create_task(copy_bidirectional(leg.down, leg.up, pipes=pool))
+        leg.client.shutdown(socket.SHUT_WR)
+        assert await in_thread(lambda: leg.server.recv(10)) == b""
+        await asyncio.sleep(0.05)
+        assert not copy_task.done()
+        leg.server.sendall(b"still here")
+        assert await in_thread(lambda: leg.client.recv(100)) == b"still here"
+        leg.server.shutdown(socket.SHUT_WR)
+        res = await asyncio.wait_for(copy_task, 5)
+        assert await in_thread(lambda: leg.client.recv(10)) == b""
+    finally:
+        leg.close_ends()
+    assert res == CopyResult(0, 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# resets
+
+
+def abort(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def server_floods_until_error(sock: socket.socket) -> BaseException | None:
+    chunk = b"x" * 65536
+    try:
+        while True:
+            sock.sendall(chunk)
+    except OSError as e:
+        return e
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("resetter", ["client", "server"])
+async def test_reset_mid_stream_closes_other_side(path: str, resetter: str) -> None:
+    pool = make_pool(path)
+    fds_before = open_fds()
+    leg = make_leg()
+    counters = CopyCounters()
+    try:
+        copy_task = asyncio.create_task(
+            copy_bidirectional(leg.down, leg.up, pipes=pool, counters=counters)
+        )
+        # bulk in both directions, then one end resets
+        victim = leg.server if resetter == "client" else leg.client
+        flooder = asyncio.create_task(in_thread(lambda: server_floods_until_error(victim)))
+        rst = leg.client if resetter == "client" else leg.server
+        rst.sendall(b"y" * 300_000)
+        while counters.down_to_up + counters.up_to_down < 1 * MiB:
+            await asyncio.sleep(0.005)
+        abort(rst)
+        res = await asyncio.wait_for(copy_task, 5)
+        err = await asyncio.wait_for(flooder, 5)
+    finally:
+        leg.close_ends()
+    assert isinstance(res.error, (ConnectionResetError, BrokenPipeError)), res
+    assert res.error_side == (Side.DOWNSTREAM if resetter == "client" else Side.UPSTREAM)
+    # the surviving peer was torn down with a reset too, not a clean EOF
+    assert isinstance(err, (ConnectionResetError, BrokenPipeError)), err
+    assert leg.down.fileno() == -1 and leg.up.fileno() == -1
+    if pool is not None:
+        assert pool.stats().in_use == 0
+        pool.close()
+    assert open_fds() == fds_before
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+async def test_reset_while_backpressured_drops_parked_bytes(path: str) -> None:
+    """The server stops reading (bytes parked in the pipe/buffer), then resets: all torn down."""
+    pool = make_pool(path)
+    fds_before = open_fds()
+    leg = make_leg()
+    counters = CopyCounters()
+    try:
+        copy_task = asyncio.create_task(
+            copy_bidirectional(leg.down, leg.up, pipes=pool, counters=counters)
+        )
+        # The server half-closes first, so only the parked direction still watches upstream: the
+        # reset must be caught by the writer side.
+        leg.server.shutdown(socket.SHUT_WR)
+        assert await in_thread(lambda: leg.client.recv(1)) == b""
+        leg.client.setblocking(False)
+        last, still = -1, 0
+        while still < 5:  # push until the proxy can no longer deliver upstream
+            with contextlib.suppress(BlockingIOError):
+                leg.client.send(b"p" * 65536)
+            await asyncio.sleep(0.01)
+            still = still + 1 if counters.down_to_up == last else 0
+            last = counters.down_to_up
+        if pool is not None:
+            assert pool.stats().in_use == 1  # the parked bytes sit in a pipe
+        abort(leg.server)
+        res = await asyncio.wait_for(copy_task, 5)
+    finally:
+        leg.close_ends()
+    assert isinstance(res.error, (ConnectionResetError, BrokenPipeError)), res
+    assert res.error_side == Side.UPSTREAM
+    assert res.down_to_up == counters.down_to_up > 0
+    if pool is not None:
+        st = pool.stats()
+        assert st.in_use == 0
+        assert st.created - st.idle >= 1  # the dirty pipe was closed, not pooled
+        pool.close()
+    assert open_fds() == fds_before
+
+
+# ---------------------------------------------------------------------------------------------
+# cancellation
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+async def test_cancel_closes_everything_and_drops_dirty_pipes(path: str) -> None:
+    pool = make_pool(path)
+    fds_before = open_fds()
+    leg = make_leg()
+    counters = CopyCounters()
+    stop = threading.Event()
+
+    def client_pushes() -> None:
+        # the server never reads: the proxy's upstream send buffer fills and data sits in the pipe
+        leg.client.setblocking(False)
+        chunk = b"z" * 65536
+        while not stop.is_set():
+            try:
+                leg.client.send(chunk)
+            except BlockingIOError:
+                time.sleep(0.001)
+            except OSError:
+                return
+
+    try:
+        copy_task = asyncio.create_task(
+            copy_bidirectional(leg.down, leg.up, pipes=pool, counters=counters)
+        )
+        pusher = asyncio.create_task(in_thread(client_pushes))
+        deadline = time.monotonic() + 5
+        if pool is not None:
+            while pool.stats().in_use == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert pool.stats().in_use == 1  # a dirty pipe is held while upstream is stuck
+        else:
+            await asyncio.sleep(0.3)
+        assert counters.down_to_up > 0
+        copy_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await copy_task
+        assert leg.down.fileno() == -1 and leg.up.fileno() == -1
+        stop.set()
+        await pusher
+        # the client sees the proxy go away (reset, since the stream was truncated)
+        leg.client.setblocking(True)
+        with pytest.raises(OSError):
+            for _ in range(1000):
+                if not leg.client.recv(65536):
+                    raise OSError("eof")
+    finally:
+        stop.set()
+        leg.close_ends()
+    if pool is not None:
+        st = pool.stats()
+        assert st.in_use == 0 and st.idle == 0  # the dirty pipe was closed, not pooled
+        pool.close()
+    assert open_fds() == fds_before
+
+
+# ---------------------------------------------------------------------------------------------
+# counters
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+async def test_counters_update_during_transfer(path: str) -> None:
+    size = 32 * MiB
+    pool = make_pool(path)
+    leg = make_leg()
+    counters = CopyCounters()
+    seen: list[int] = []
+    try:
+        copy_task = asyncio.create_task(
+            copy_bidirectional(leg.down, leg.up, pipes=pool, counters=counters)
+        )
+        leg.server.shutdown(socket.SHUT_WR)
+        sender = asyncio.create_task(in_thread(lambda: send_all_then_fin(leg.client, 3, size)))
+        receiver = asyncio.create_task(in_thread(lambda: recv_to_eof(leg.server, delay=0.0005)))
+        while not copy_task.done():
+            seen.append(counters.down_to_up)
+            await asyncio.sleep(0.005)
+        res = await copy_task
+        await sender
+        got, _ = await receiver
+    finally:
+        leg.close_ends()
+    assert got == size
+    assert res.down_to_up == size == counters.down_to_up
+    assert counters.up_to_down == 0
+    middle = [v for v in seen if 0 < v < size]
+    assert len(set(middle)) >= 3, seen  # observed growing while the transfer ran
+    assert seen == sorted(seen)
+    if pool is not None:
+        pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# churn soak through a tiny proxy
+
+
+@contextlib.asynccontextmanager
+async def echo_server() -> AsyncIterator[tuple[str, int]]:
+    """Raw-socket echo server: echoes until EOF, then closes."""
+    loop = asyncio.get_running_loop()
+    lst = socket.create_server(("127.0.0.1", 0), backlog=512)
+    lst.setblocking(False)
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def handle(s: socket.socket) -> None:
+        with s:
+            while data := await loop.sock_recv(s, 65536):
+                await loop.sock_sendall(s, data)
+
+    async def accept_loop() -> None:
+        while True:
+            s, _ = await loop.sock_accept(lst)
+            t = asyncio.create_task(handle(s))
+            handlers.add(t)
+            t.add_done_callback(handlers.discard)
+
+    acceptor = asyncio.create_task(accept_loop())
+    try:
+        yield lst.getsockname()
+    finally:
+        acceptor.cancel()
+        for t in list(handlers):
+            t.cancel()
+        await asyncio.gather(acceptor, *handlers, return_exceptions=True)
+        lst.close()
+
+
+@contextlib.asynccontextmanager
+async def tiny_proxy(
+    upstream: tuple[str, int], pool: PipePool | None, results: list[CopyResult]
+) -> AsyncIterator[tuple[str, int]]:
+    """accept -> connect upstream -> copy_bidirectional; the engine closes both sockets."""
+    loop = asyncio.get_running_loop()
+    lst = socket.create_server(("127.0.0.1", 0), backlog=512)
+    lst.setblocking(False)
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def handle(down: socket.socket) -> None:
+        up = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        up.setblocking(False)
+        try:
+            await loop.sock_connect(up, upstream)
+        except BaseException:
+            up.close()
+            down.close()
+            raise
+        for s in (down, up):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        results.append(await copy_bidirectional(down, up, pipes=pool))
+
+    async def accept_loop() -> None:
+        while True:
+            s, _ = await loop.sock_accept(lst)
+            t = asyncio.create_task(handle(s))
+            handlers.add(t)
+            t.add_done_callback(handlers.discard)
+
+    acceptor = asyncio.create_task(accept_loop())
+    try:
+        yield lst.getsockname()
+    finally:
+        acceptor.cancel()
+        for t in list(handlers):
+            t.cancel()
+        await asyncio.gather(acceptor, *handlers, return_exceptions=True)
+        lst.close()
+
+
+async def short_client(addr: tuple[str, int], payload: bytes) -> bytes:
+    loop = asyncio.get_running_loop()
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setblocking(False)
+    with s:
+        await loop.sock_connect(s, addr)
+        await loop.sock_sendall(s, payload)
+        s.shutdown(socket.SHUT_WR)
+        out = bytearray()
+        while data := await loop.sock_recv(s, 65536):
+            out += data
+        return bytes(out)
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("path", PATHS)
+async def test_churn_soak_short_connections(path: str) -> None:
+    n_conns, concurrency = 3000, 50
+    fds_before = open_fds()
+    tasks_before = len(asyncio.all_tasks())
+    pool = make_pool(path)
+    results: list[CopyResult] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        payload = (b"%d:" % i) * (1 + i % 50)
+        async with sem:
+            assert await short_client(proxy_addr, payload) == payload
+
+    async with echo_server() as echo_addr, tiny_proxy(echo_addr, pool, results) as proxy_addr:
+        await asyncio.gather(*(one(i) for i in range(n_conns)))
+        # the last sessions finish right after their clients saw EOF
+        for _ in range(200):
+            if len(results) == n_conns:
+                break
+            await asyncio.sleep(0.01)
+    assert len(results) == n_conns
+    assert all(r.error is None for r in results), [r for r in results if r.error][:3]
+    if pool is not None:
+        st = pool.stats()
+        assert st.in_use == 0
+        # short flows give their pipe back within the same callback: a handful ever get created
+        assert st.created <= 4, st
+        pool.close()
+    await asyncio.sleep(0)
+    assert open_fds() == fds_before
+    assert len(asyncio.all_tasks()) == tasks_before
+
+
+# ---------------------------------------------------------------------------------------------
+# pipe pool
+
+
+@pytest.mark.both_loops
+async def test_idle_connections_hold_no_pipes() -> None:
+    pool = PipePool(max_idle=4)
+    legs = [make_leg() for _ in range(20)]
+    tasks = [asyncio.create_task(copy_bidirectional(g.down, g.up, pipes=pool)) for g in legs]
+    try:
+        for g in legs:
+            g.client.sendall(b"hello")
+            assert await in_thread(lambda g=g: g.server.recv(5)) == b"hello"  # type: ignore[misc]
+            g.server.sendall(b"world!")
+            assert await in_thread(lambda g=g: g.client.recv(6)) == b"world!"  # type: ignore[misc]
+        await asyncio.sleep(0.05)
+        st = pool.stats()
+        assert st.in_use == 0  # 20 live, idle connections hold no pipe
+        assert 1 <= st.created <= 2 and st.idle == st.created
+        assert not any(t.done() for t in tasks)
+    finally:
+        for g in legs:
+            g.client.shutdown(socket.SHUT_WR)
+            g.server.shutdown(socket.SHUT_WR)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        for g in legs:
+            g.close_ends()
+    assert all(r == CopyResult(5, 6) for r in results)
+    pool.close()
+    assert pool.stats().idle == 0
+
+
+def test_pool_reuses_and_bounds_idle() -> None:
+    pool = PipePool(pipe_size=1 << 16, max_idle=1)
+    a = pool.get()
+    b = pool.get()
+    pool.put(a)
+    pool.put(b)  # over max_idle: closed
+    with pytest.raises(OSError):
+        os.fstat(b[0])
+    assert pool.get() == a
+    pool.discard(a)
+    with pytest.raises(OSError):
+        os.fstat(a[0])
+    st = pool.stats()
+    assert (st.created, st.in_use, st.idle) == (2, 0, 0)
+    pool.close()
+    c = pool.get()
+    pool.put(c)  # after close(): closed, not parked
+    assert pool.stats().idle == 0
+
+
+@pytest.mark.both_loops
+async def test_pool_keeps_default_size_pipe_when_resize_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_fcntl = fcntl.fcntl
+
+    def deny_setpipe(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == copy_mod._F_SETPIPE_SZ:
+            raise PermissionError(errno.EPERM, "pipe-user-pages-soft")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", deny_setpipe)
+    pool = PipePool()
+    leg = make_leg()
+    try:
+        task = asyncio.create_task(copy_bidirectional(leg.down, leg.up, pipes=pool))
+        leg.server.shutdown(socket.SHUT_WR)
+        sent, (got, digest) = await asyncio.gather(
+            in_thread(lambda: send_all_then_fin(leg.client, 5, 8 * MiB)),
+            in_thread(lambda: recv_to_eof(leg.server)),
+        )
+        res = await asyncio.wait_for(task, 5)
+    finally:
+        leg.close_ends()
+    assert (got, digest) == (8 * MiB, sent)
+    assert res.error is None
+    assert pool.stats().resize_failed >= 1
+    pool.close()
+
+
+@pytest.mark.both_loops
+async def test_pipe_creation_failure_falls_back_to_buffered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_fds(flags: int) -> tuple[int, int]:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    pool = PipePool()
+    leg = make_leg()
+    try:
+        monkeypatch.setattr(os, "pipe2", no_fds)
+        task = asyncio.create_task(copy_bidirectional(leg.down, leg.up, pipes=pool))
+        results = await asyncio.gather(
+            in_thread(lambda: send_all_then_fin(leg.client, 8, 8 * MiB)),
+            in_thread(lambda: recv_to_eof(leg.server)),
+            in_thread(lambda: send_all_then_fin(leg.server, 9, 3 * MiB)),
+            in_thread(lambda: recv_to_eof(leg.client)),
+        )
+        res = await asyncio.wait_for(task, 5)
+    finally:
+        monkeypatch.undo()
+        leg.close_ends()
+    c_sent, s_got, s_sent, c_got = results
+    assert s_got == (8 * MiB, c_sent) and c_got == (3 * MiB, s_sent)
+    assert res == CopyResult(8 * MiB, 3 * MiB)
+    st = pool.stats()
+    assert st.create_failed == 2 and st.created == 0 and st.in_use == 0
+    pool.close()
+
+
+@pytest.mark.both_loops
+async def test_closed_socket_is_rejected_and_other_closed() -> None:
+    leg = make_leg()
+    leg.up.close()
+    try:
+        with pytest.raises((ValueError, OSError)):
+            await copy_bidirectional(leg.down, leg.up, pipes=None)
+        assert leg.down.fileno() == -1
+    finally:
+        leg.close_ends()
