@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import errno
 
 
 class ResponseFlag(enum.Enum):
@@ -64,3 +65,14 @@ class TlsFailure(ProxyError):
 
 class H2Failure(ProxyError):
     flag = ResponseFlag.H2_HANDSHAKE_FAILURE
+
+
+_DISCONNECT_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
+
+
+def reportable(error: BaseException | None) -> BaseException | None:
+    """A peer resetting or vanishing is a normal end of a proxied connection, as in ztunnel's
+    copy.rs: it is not logged or counted as an error."""
+    if isinstance(error, OSError) and error.errno in _DISCONNECT_ERRNOS:
+        return None
+    return error

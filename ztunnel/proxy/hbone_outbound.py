@@ -15,6 +15,7 @@ from ztunnel.core.errors import (
     ResponseFlag,
     TlsFailure,
     UpstreamConnectError,
+    reportable,
 )
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
@@ -155,7 +156,7 @@ class HboneConnector:
             # Cancellation (drain, policy, deleted pod) is logged by the caller.
             bridge = await conn.bridge(sid, sock, rec.counters)
             rec.bytes_sent, rec.bytes_recv = bridge.tcp_to_h2, bridge.h2_to_tcp
-            rec.log_complete(bridge.error)
+            rec.log_complete(reportable(bridge.error))
         finally:
             self.pool.stream_done(conn)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ztunnel.config import ILLEGAL_PORTS
 from ztunnel.core.addr import IPAddr, SocketAddr
-from ztunnel.core.errors import AuthorizationDenied, ProxyError
+from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
 from ztunnel.hbone.headers import BAGGAGE, baggage, parse_baggage
@@ -205,7 +205,7 @@ class InboundHbone:
         bridge = await conn.bridge(sid, upstream, rec.counters)
         # Inbound: "sent" is what the local app sent back.
         rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
-        rec.log_complete(bridge.error)
+        rec.log_complete(reportable(bridge.error))
 
 
 def _header(headers: h2.Headers, name: str) -> str | None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import socket
 
-from ztunnel.core.errors import ProxyError
+from ztunnel.core.errors import ProxyError, reportable
 from ztunnel.net.copy import CopyCounters, copy_bidirectional
 from ztunnel.net.sockopt import original_dst, peer_addr
 from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
@@ -63,7 +63,7 @@ class Outbound:
             result = await copy_bidirectional(
                 sock, upstream, pipes=ctx.pipes, counters=rec.counters
             )
-            rec.log_complete(result.error)
+            rec.log_complete(reportable(result.error))
         except asyncio.CancelledError:
             rec.log_cancelled()
             raise
