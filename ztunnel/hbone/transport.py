@@ -609,7 +609,15 @@ class HboneConnection:
         if self._writer_armed:
             self.loop.remove_writer(self.fd)
             self._writer_armed = False
-        exc = error if error is not None else ConnectionLost("connection closed")
+        # Every stream on this connection fails with it. A socket error here is the tunnel
+        # dying, not the app's own socket being reset, so it stays an error for the streams.
+        exc: BaseException
+        if error is None:
+            exc = ConnectionLost("connection closed")
+        elif isinstance(error, OSError):
+            exc = ConnectionLost(f"HBONE connection failed: {error}")
+        else:
+            exc = error
         for fut in self._responses.values():
             if not fut.done():
                 fut.set_exception(ConnectionLost(f"HBONE connection failed: {exc}"))
