@@ -43,8 +43,6 @@ from ztunnel.xds.client import AdsClient, StateUpdater
 
 log = logging.getLogger("ztunnel.app")
 
-METRICS_FLUSH_INTERVAL = 5.0
-
 
 class StartupError(Exception):
     """Start-up could not complete (bad local config, a port already taken, ...)."""
@@ -233,9 +231,11 @@ class App:
             log.info("policy change closed %d connection(s)", closed)
 
     async def _flush_metrics_forever(self) -> None:
-        """Byte counters move during long connections, not only at close."""
+        """Byte counters move during long connections, not only at close (every
+        ``ZTUNNEL_METRICS_FLUSH_INTERVAL``, 5 s by default)."""
+        interval = self.config.metrics_flush_interval.total_seconds()
         while True:
-            await asyncio.sleep(METRICS_FLUSH_INTERVAL)
+            await asyncio.sleep(interval)
             for inst in self._instances():
                 inst.ctx.tracker.flush_metrics()
 
@@ -252,6 +252,8 @@ class App:
                     HttpServer.bind("readiness", [(wildcard, cfg.readiness_port)], ready)
                 )
             if cfg.admin_port:
+                from ztunnel.admin.explain import explain_query
+
                 handler = AdminHandler(
                     state=lambda: self.state,
                     config=cfg.summary,
@@ -261,6 +263,10 @@ class App:
                     on_quit=self._quit,
                     quit_deadline=cfg.connection_termination_deadline.total_seconds() + 1,
                     log_control=LogControl(cfg.rust_log),
+                    # The same PolicyIndex the proxy enforces with, so the answer is its decision.
+                    explain=lambda q: explain_query(
+                        self.state, q, policies=self.policies, network=cfg.network
+                    ),
                 )
                 self.servers.append(bind_admin(handler, port=cfg.admin_port))
         except OSError as e:

@@ -1,4 +1,12 @@
-"""Command line: ``ztunnel proxy ztunnel`` (what the Helm chart runs), ``ztunnel version``.
+"""Command line: ``ztunnel proxy ztunnel`` (what the Helm chart runs), ``ztunnel version``, and
+``ztunnel explain`` (offline authorization explain against a local config file).
+
+``ztunnel explain --config FILE --dst DST --port N [--src SRC] [--src-ip IP] [--json]`` loads a
+local config (the Rust YAML shape, as ``LOCAL_XDS_PATH``; default: ``$LOCAL_XDS_PATH``) and
+prints which policies apply to the connection, whether each matched and why, and the decision
+(the query syntax is the admin endpoint's ``/debug/authz``, see ``ztunnel.admin.explain``).
+Exit status: 0 allowed, 1 denied, 2 bad usage, an unreadable/invalid config or an unknown
+workload.
 
 This is the only place that picks uvloop; everything else runs on any asyncio loop.
 """
@@ -54,7 +62,62 @@ def _parser() -> argparse.ArgumentParser:
     )
     ver = sub.add_parser("version", help="print version information")
     ver.add_argument("--json", action="store_true", help="print as JSON")
+    ex = sub.add_parser(
+        "explain",
+        help="explain the authorization decision for a connection (local config file)",
+        description="Load a local config file (the LOCAL_XDS_PATH YAML) and explain whether a "
+        "connection to a workload is allowed: every applicable policy, whether it matched and "
+        "why. Exit status: 0 allowed, 1 denied, 2 bad input (usage, config, unknown workload).",
+    )
+    ex.add_argument(
+        "--config",
+        default=os.environ.get("LOCAL_XDS_PATH"),
+        help="local config YAML (default: $LOCAL_XDS_PATH)",
+    )
+    ex.add_argument(
+        "--src",
+        default="",
+        help="client: a SPIFFE id (mTLS), an IP (plaintext), or a workload uid or namespace/name "
+        "(mTLS as that workload); default: plaintext from an unknown IP",
+    )
+    ex.add_argument("--src-ip", default="", help="client IP (overrides the one --src implies)")
+    ex.add_argument("--dst", required=True, help="destination workload: uid, namespace/name or IP")
+    ex.add_argument("--port", required=True, help="destination port after target-port resolution")
+    ex.add_argument("--network", default="", help='network for IP lookups (default: "")')
+    ex.add_argument("--json", action="store_true", help="print the explanation as JSON")
     return p
+
+
+def _explain(args: argparse.Namespace) -> int:
+    """``ztunnel explain``: 0 allowed, 1 denied, 2 bad input."""
+    from ztunnel.admin.explain import explain_query
+    from ztunnel.state.localconfig import load_local_config
+    from ztunnel.state.store import State
+
+    if not args.config:
+        print("ztunnel explain: --config (or LOCAL_XDS_PATH) is required", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        with open(args.config, encoding="utf-8") as f:
+            text = f.read()
+        state = State()
+        load_local_config(text, args.config).apply_to(state)
+        params = {
+            "src": args.src,
+            "src_ip": args.src_ip,
+            "dst": args.dst,
+            "port": args.port,
+            "network": args.network,
+        }
+        explanation = explain_query(state, params)
+    except (OSError, ValueError, LookupError) as e:
+        print(f"ztunnel explain: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps(explanation.to_dict(), indent=2))
+    else:
+        print(explanation)
+    return EXIT_OK if explanation.decision.allowed else EXIT_FAILURE
 
 
 def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -124,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(" ".join(f"{k}={v}" for k, v in info.items()))
         return EXIT_OK
+    if args.command == "explain":
+        return _explain(args)
     if args.command != "proxy":
         _parser().print_help()
         return EXIT_CONFIG
@@ -137,5 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ztunnel: invalid configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG
     _raise_nofile_limit()
+    if config.malloc_tuning:
+        from ztunnel.net.malloc import tune_malloc
+
+        tune_malloc()
     with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
         return runner.run(_run_proxy(config))

@@ -127,6 +127,7 @@ class Config:
     user_timeout_enabled: bool = False
     connection_termination_deadline: timedelta = timedelta(seconds=5)
     copy_mode: CopyMode = CopyMode.SPLICE  # ZTUNNEL_COPY_MODE
+    malloc_tuning: bool = True  # ZTUNNEL_MALLOC_TUNING: see ztunnel/net/malloc.py
 
     # Observability (the *_port knobs are Python-only, ZTUNNEL_{ADMIN,STATS,READINESS}_PORT: two
     # ztunnels sharing one network namespace, as in tests, need different ones; 0 disables)
@@ -135,6 +136,9 @@ class Config:
     readiness_port: int = READINESS_PORT
     log_format: str = "plain"
     rust_log: str = "info"
+    # ZTUNNEL_METRICS_FLUSH_INTERVAL (Python-only): how often live connections' byte counts are
+    # added to the metrics (Rust counts every read/write; we batch them).
+    metrics_flush_interval: timedelta = timedelta(seconds=5)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -336,6 +340,10 @@ def _build(e: _Env) -> Config:
 
     ca_dir = e.opt("ZTUNNEL_LOCAL_CA_DIR")
 
+    flush = e.duration("ZTUNNEL_METRICS_FLUSH_INTERVAL", timedelta(seconds=5))
+    if flush.total_seconds() <= 0:
+        raise ConfigError("ZTUNNEL_METRICS_FLUSH_INTERVAL", "must be positive")
+
     return Config(
         proxy_mode=mode,
         proxy_workload_info=info,
@@ -382,11 +390,13 @@ def _build(e: _Env) -> Config:
         user_timeout_enabled=e.flag("USER_TIMEOUT_ENABLED", False),
         connection_termination_deadline=_termination_deadline(e),
         copy_mode=copy_mode,
+        malloc_tuning=e.flag("ZTUNNEL_MALLOC_TUNING", True),
         admin_port=e.integer("ZTUNNEL_ADMIN_PORT", ADMIN_PORT, 0, 65535),
         stats_port=e.integer("ZTUNNEL_STATS_PORT", STATS_PORT, 0, 65535),
         readiness_port=e.integer("ZTUNNEL_READINESS_PORT", READINESS_PORT, 0, 65535),
         log_format=log_format,
         rust_log=e.get("RUST_LOG", "info") or "info",
+        metrics_flush_interval=flush,
     )
 
 

@@ -95,6 +95,18 @@ def current_directives(extra_loggers: tuple[str, ...] | frozenset[str] = ()) -> 
     return format_directives(logging.getLogger().level, targets)
 
 
+def _timestamp(record: logging.LogRecord) -> str:
+    """RFC 3339 UTC with microseconds, as tracing prints it (``LogRecord.msecs`` has only
+    milliseconds)."""
+    micros = int(record.created * 1_000_000) % 1_000_000
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{micros:06d}Z"
+
+
+def _rust_level(record: logging.LogRecord) -> str:
+    """The level as tracing spells it: ``warn``, not ``warning``."""
+    return level_name(record.levelno) if record.levelno < logging.CRITICAL else "error"
+
+
 def _fmt_value(v: object) -> str:
     s = str(v)
     if not s or any(c in s for c in ' ="'):
@@ -104,10 +116,9 @@ def _fmt_value(v: object) -> str:
 
 class PlainFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        ts += f".{int(record.msecs * 1000):06d}Z"
+        ts = _timestamp(record)
         target = "access" if record.name == "access" else record.name.replace(".", "::")
-        line = f"{ts}\t{record.levelname.lower():5}\t{target}\t{record.getMessage()}"
+        line = f"{ts}\t{_rust_level(record):5}\t{target}\t{record.getMessage()}"
         fields: dict[str, Any] | None = getattr(record, "fields", None)
         if fields:
             line += " " + " ".join(f"{k}={_fmt_value(v)}" for k, v in fields.items())
@@ -119,9 +130,8 @@ class PlainFormatter(logging.Formatter):
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "level": record.levelname.lower(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs * 1000):06d}Z",
+            "level": _rust_level(record),
+            "time": _timestamp(record),
             "scope": "access" if record.name == "access" else record.name.replace(".", "::"),
             "message": record.getMessage(),
         }

@@ -137,3 +137,13 @@ def test_summary_is_jsonable() -> None:
     assert s["local_xds"] == "<13 bytes inline>"
     assert s["secret_ttl"] == "86400s"
     assert format_duration(timedelta(milliseconds=250)) == "250ms"
+
+
+def test_metrics_flush_interval() -> None:
+    assert Config.from_env({}).metrics_flush_interval == timedelta(seconds=5)
+    c = Config.from_env({"ZTUNNEL_METRICS_FLUSH_INTERVAL": "250ms"})
+    assert c.metrics_flush_interval == timedelta(milliseconds=250)
+    for bad in ("0s", "soon"):
+        with pytest.raises(ConfigError) as info:
+            Config.from_env({"ZTUNNEL_METRICS_FLUSH_INTERVAL": bad})
+        assert info.value.var == "ZTUNNEL_METRICS_FLUSH_INTERVAL"

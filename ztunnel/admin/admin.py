@@ -1,11 +1,13 @@
 """Admin (15000, localhost only by default): index, ``/config_dump``, ``/quitquitquit``,
-``/logging`` (istio/ztunnel ``src/admin.rs``).
+``/logging`` (istio/ztunnel ``src/admin.rs``), and ``/debug/authz`` (ours: explain the
+authorization decision for a connection, see :mod:`ztunnel.admin.explain`).
 
 Everything it shows or triggers comes in as a callable, so the composition root wires it:
 ``state`` and ``config`` for the dump, ``certificates`` (``SecretManager.statuses``), ``static``
-(the local config file, if one was used), ``extra`` sections (in-pod: ``workloadState``), and
-``on_quit`` (the graceful drain). ``on_quit`` must not close this admin server itself: the
-``/quitquitquit`` request is still in flight while it runs.
+(the local config file, if one was used), ``extra`` sections (in-pod: ``workloadState``),
+``explain`` (the query of ``/debug/authz`` to an explanation) and ``on_quit`` (the graceful
+drain). ``on_quit`` must not close this admin server itself: the ``/quitquitquit`` request is
+still in flight while it runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import logging
 import platform
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from ztunnel import __version__
 from ztunnel.admin import config_dump as dump
@@ -43,7 +45,19 @@ ENDPOINTS: tuple[tuple[str, str], ...] = (
     ("quitquitquit", "shut down the server (POST)"),
     ("config_dump", "dump the current Ztunnel configuration"),
     ("logging", "query/changing logging levels"),
+    ("debug/authz", "explain the authorization decision: ?src=&dst=&port="),
 )
+
+
+class Explained(Protocol):
+    """What ``/debug/authz`` renders (``ztunnel.state.authz.Explanation``)."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+# The query parameters (last value of each) -> the explanation. Raises ValueError for bad
+# input (400) and LookupError for an unknown workload (404).
+ExplainFn = Callable[[Mapping[str, str]], Explained]
 
 
 def bind_admin(
@@ -97,6 +111,7 @@ class AdminHandler:
         on_quit: Callable[[], Awaitable[None]] | None = None,
         quit_deadline: float = 5.0,
         log_control: LogControl | None = None,
+        explain: ExplainFn | None = None,
     ) -> None:
         self.state = state
         self.config = config
@@ -107,6 +122,7 @@ class AdminHandler:
         self.on_quit = on_quit
         self.quit_deadline = quit_deadline
         self.log_control = log_control
+        self.explain = explain
         self._quitting: asyncio.Task[None] | None = None
 
     async def __call__(self, req: Request) -> Response:
@@ -123,6 +139,8 @@ class AdminHandler:
             return await self.quit()
         if path == "/logging":
             return self.logging(req)
+        if path == "/debug/authz":
+            return self._get_only(req) or self.debug_authz(req)
         return Response.empty(404)
 
     @staticmethod
@@ -175,6 +193,22 @@ class AdminHandler:
             return Response.text(400, f"Invalid level provided: {level}\n{LOGGING_HELP}")
         log.info("log level changed to %s", current)
         return Response.text(200, f"current log level is {current}\n")
+
+    def debug_authz(self, req: Request) -> Response:
+        """``GET /debug/authz?src=&dst=&port=``: JSON, or text with ``Accept: text/plain``."""
+        if self.explain is None:
+            return Response.text(503, "authorization explain is not wired\n")
+        params = {k: v[-1] for k, v in req.query_params().items()}
+        try:
+            explanation = self.explain(params)
+        except LookupError as e:
+            return Response.text(404, f"{e}\n")
+        except ValueError as e:
+            return Response.text(400, f"{e}\n")
+        if "text/plain" in (req.header("accept") or ""):
+            return Response.text(200, f"{explanation}\n")
+        body = json.dumps(explanation.to_dict(), indent=2)
+        return Response(200, body.encode(), "application/json")
 
 
 def _log_quit_result(task: asyncio.Future[None]) -> None:

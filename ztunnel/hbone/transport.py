@@ -145,6 +145,8 @@ class StreamBridge:
                 )
         self.sock.close()
         self.conn._bridges.pop(self.stream_id, None)
+        if self.conn.goaway:
+            self.conn.loop.call_soon(self.conn.close_if_idle)
         self.done.set_result(error)
 
     def abort(self, error: BaseException) -> None:
@@ -570,6 +572,7 @@ class HboneConnection:
                 self._ping_sent = None
             elif t is h2.GoAwayReceived:
                 self.goaway = True
+                self.loop.call_soon(self.close_if_idle)
             elif t is h2.ConnectionTerminated:
                 assert isinstance(ev, h2.ConnectionTerminated)
                 self._fail(HboneError(f"HTTP/2 connection terminated: {ev.reason}"))
@@ -645,12 +648,19 @@ class HboneConnection:
         with contextlib.suppress(h2.ProtocolError):
             self.h2.goaway(h2.ErrorCode.NO_ERROR)
             self.flush()
+        self.close_if_idle()
+
+    def close_if_idle(self) -> None:
+        """After GOAWAY (either way), a connection with no stream left has nothing to wait for."""
+        if self.goaway and self.active_streams == 0:
+            self.close()
 
     # --- streams ---------------------------------------------------------------------------
 
     @property
     def active_streams(self) -> int:
-        return len(self._bridges) + len(self._responses) + self._reserved
+        # _early: streams past CONNECT (or its 200) whose bridge is not attached yet.
+        return len(self._bridges) + len(self._responses) + len(self._early) + self._reserved
 
     def reserve(self) -> None:
         self._reserved += 1

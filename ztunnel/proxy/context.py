@@ -18,7 +18,7 @@ from ztunnel.config import Config
 from ztunnel.core.addr import IPAddr, SocketAddr
 from ztunnel.core.errors import AuthorizationDenied
 from ztunnel.core.identity import Identity
-from ztunnel.metrics import ConnectionMetrics, Metrics, flag_for
+from ztunnel.metrics import BaggageLike, ConnectionMetrics, Metrics, flag_for
 from ztunnel.net.copy import CopyCounters, PipePool
 from ztunnel.proxy.sockets import SocketFactory
 from ztunnel.state.authz import Connection, PolicyIndex
@@ -63,6 +63,9 @@ class ConnectionRecord:
     authz: Connection | None = None  # inbound: what the policies were checked against
     close_reason: str | None = None  # set by whoever cancels the connection, for the log
     task: asyncio.Task[None] | None = None
+    mtls: bool = False  # set by ProxyContext.open_metrics
+    # Inbound, source workload unknown: (canonical service, namespace) from the peer's baggage.
+    src_derived: tuple[str, str] | None = None
     _done: bool = False
 
     def live_bytes(self) -> tuple[int, int]:
@@ -74,10 +77,20 @@ class ConnectionRecord:
         return c.up_to_down, c.down_to_up
 
     def fields(self) -> dict[str, object]:
+        """The access-log fields in Rust's order (reference 7). As in Rust, ``src.workload``
+        falls back to the canonical service and ``src.namespace`` to the namespace the peer's
+        baggage names, and ``dst.identity`` is the destination workload's identity until the
+        peer's certificate is known."""
         out: dict[str, object] = {"src.addr": str(self.src)}
         if self.src_workload is not None:
             out["src.workload"] = self.src_workload.name
             out["src.namespace"] = self.src_workload.namespace
+        elif self.src_derived is not None:
+            canonical, namespace = self.src_derived
+            if canonical:
+                out["src.workload"] = canonical
+            if namespace:
+                out["src.namespace"] = namespace
         if self.src_identity is not None:
             out["src.identity"] = str(self.src_identity)
         out["dst.addr"] = str(self.dst)
@@ -88,8 +101,11 @@ class ConnectionRecord:
         if self.dst_workload is not None:
             out["dst.workload"] = self.dst_workload.name
             out["dst.namespace"] = self.dst_workload.namespace
-        if self.dst_identity is not None:
-            out["dst.identity"] = str(self.dst_identity)
+        dst_identity = self.dst_identity
+        if dst_identity is None and self.mtls and self.dst_workload is not None:
+            dst_identity = self.dst_workload.identity
+        if dst_identity is not None:
+            out["dst.identity"] = str(dst_identity)
         out["direction"] = self.direction
         return out
 
@@ -169,10 +185,41 @@ class ProxyContext:
     policies: PolicyIndex | None = None
     tracker: ConnectionTracker = field(default_factory=ConnectionTracker)
 
-    def open_metrics(self, rec: ConnectionRecord, *, mtls: bool, baggage: object = None) -> None:
+    def open_metrics(
+        self,
+        rec: ConnectionRecord,
+        *,
+        mtls: bool,
+        baggage: BaggageLike | None = None,
+        for_host: str | None = None,
+    ) -> None:
+        """The connection is opened: fill in what the access log and the metric labels derive
+        (inbound: the destination service guessed as Rust does, the baggage fallbacks), log
+        "connection opened" and count it."""
+        rec.mtls = mtls
+        if rec.direction == "inbound" and rec.dst_service is None and rec.dst_workload is not None:
+            rec.dst_service = guess_inbound_service(
+                self.state, rec.dst_workload, rec.dst.port, for_host
+            )
+        if (
+            rec.src_workload is None
+            and baggage is not None
+            and (baggage.service_name or baggage.namespace)
+        ):
+            rec.src_derived = (baggage.service_name, baggage.namespace)
         rec.log_opened()
         if self.metrics is not None:
-            rec.metrics = self.metrics.open_for_record(rec, mtls=mtls, baggage=baggage)  # type: ignore[arg-type]
+            rec.metrics = self.metrics.open_for_record(rec, mtls=mtls, baggage=baggage)
+
+    async def wait_local_workload(self, timeout: float) -> Workload | None:
+        """The local workload; while it is unknown (e.g. before the first xDS sync), keep
+        looking for up to ``timeout`` seconds, then give up (None)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            wl = self.local_workload()
+            if wl is not None or time.monotonic() >= deadline:
+                return wl
+            await asyncio.sleep(0.05)
 
     def authorize(self, rec: ConnectionRecord, workload: Workload) -> None:
         """Check an inbound connection against the policies; raises AuthorizationDenied."""
@@ -192,6 +239,26 @@ class ProxyContext:
         if not decision.allowed:
             raise AuthorizationDenied(decision.reason)
         rec.authz = conn
+
+
+def guess_inbound_service(
+    state: State, workload: Workload, port: int, for_host: str | None = None
+) -> Service | None:
+    """The service an inbound connection to ``workload``:``port`` was most likely meant for, for
+    the metrics and the access log (Rust ``proxy::guess_inbound_service``): the one the client
+    named (``Forwarded: host=``) if the workload backs it, else the first of its services with a
+    target port (or this endpoint's own port mapping) equal to ``port``."""
+    services = state.services_for(workload)
+    if for_host:
+        for svc in services:
+            if svc.hostname == for_host:
+                return svc
+    for svc in services:
+        endpoint_ports = workload.services.get(svc.key, {})
+        for sp in svc.ports:
+            if sp.target_port == port or endpoint_ports.get(sp.service_port) == port:
+                return svc
+    return None
 
 
 def log_failed(direction: str, src: SocketAddr, dst: SocketAddr, error: BaseException) -> None:

@@ -19,7 +19,7 @@ from ztunnel.core.addr import IPAddr, SocketAddr
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import BAGGAGE, baggage, parse_baggage
+from ztunnel.hbone.headers import BAGGAGE, FORWARDED, baggage, forwarded_host, parse_baggage
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
@@ -158,7 +158,12 @@ class InboundHbone:
             dst_identity=ctx.local_identity(),
             counters=CopyCounters(),
         )
-        ctx.open_metrics(rec, mtls=True, baggage=parse_baggage(_header(ev.headers, BAGGAGE)))
+        ctx.open_metrics(
+            rec,
+            mtls=True,
+            baggage=parse_baggage(_header(ev.headers, BAGGAGE)),
+            for_host=forwarded_host(_header(ev.headers, FORWARDED)),
+        )
         if local is None:
             reject(503, "failed to fetch information about local workload", rec)
             return

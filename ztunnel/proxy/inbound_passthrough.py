@@ -1,7 +1,9 @@
 """Inbound plaintext 15006: traffic from clients outside the mesh, redirected by iptables.
 
-Recover the original destination, refuse ztunnel's own ports, connect to the app (spoofing the
-client's source IP when the kernel allows) and copy. Authorization comes with the policy layer.
+Recover the original destination, refuse ztunnel's own ports, find the local workload (waiting
+for it like inbound HBONE does, and refusing the connection if it stays unknown: its policies
+cannot be checked without it), authorize with no source identity, connect to the app (spoofing
+the client's source IP when the kernel allows) and copy.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ import asyncio
 import socket
 
 from ztunnel.config import ILLEGAL_PORTS
-from ztunnel.core.errors import AuthorizationDenied, ProxyError, SelfCallError
+from ztunnel.core.errors import AuthorizationDenied, ProxyError, SelfCallError, reportable
 from ztunnel.net.copy import CopyCounters, copy_bidirectional
 from ztunnel.net.sockopt import original_dst, peer_addr
 from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
 from ztunnel.state.model import NetworkAddress
+
+LOCAL_WORKLOAD_WAIT = 5.0  # as inbound HBONE (istio/ztunnel LocalWorkloadInformation)
+UNKNOWN_LOCAL_WORKLOAD = "failed to fetch information about local workload"
 
 
 class InboundPassthrough:
@@ -31,7 +36,7 @@ class InboundPassthrough:
         if dst.port in ILLEGAL_PORTS:
             log_failed("inbound", src, dst, SelfCallError(dst))
             return
-        local = ctx.local_workload()
+        local = await ctx.wait_local_workload(LOCAL_WORKLOAD_WAIT)
         rec = ConnectionRecord(
             "inbound",
             src,
@@ -44,12 +49,15 @@ class InboundPassthrough:
             sent_is_down_to_up=False,  # inbound "sent" is the app's reply: upstream -> downstream
         )
         ctx.open_metrics(rec, mtls=False)
-        if local is not None:
-            try:
-                ctx.authorize(rec, local)  # plaintext: no identity, so STRICT-style DENYs apply
-            except AuthorizationDenied as e:
-                rec.log_complete(e)
-                return
+        if local is None:
+            # Fail closed: without the workload its policies (e.g. STRICT) cannot be applied.
+            rec.log_complete(UNKNOWN_LOCAL_WORKLOAD)
+            return
+        try:
+            ctx.authorize(rec, local)  # plaintext: no identity, so STRICT-style DENYs apply
+        except AuthorizationDenied as e:
+            rec.log_complete(e)
+            return
         ctx.tracker.add(rec)
         try:
             try:
@@ -60,7 +68,7 @@ class InboundPassthrough:
             result = await copy_bidirectional(
                 sock, upstream, pipes=ctx.pipes, counters=rec.counters
             )
-            rec.log_complete(result.error)
+            rec.log_complete(reportable(result.error))
         except asyncio.CancelledError:
             rec.log_cancelled()
             raise

@@ -287,6 +287,7 @@ class FakeIstiod:
         self.accept_tokens: set[str] | None = set(accept_tokens) if accept_tokens else None
         self._host = "127.0.0.1"
         self._port = 0
+        self._premade = False  # started on a caller's socket: restart cannot re-create it
         self._server: _TrackingServer | None = None
         self._versions = itertools.count(1)
         self._stream_ids = itertools.count(1)
@@ -315,20 +316,36 @@ class FakeIstiod:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        """Listen on ``host:port`` (port 0: any; a restart reuses the first port)."""
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None
+    ) -> None:
+        """Listen on ``host:port`` (port 0: any; a restart reuses the first port).
+
+        ``sock``: serve on this already bound and listening TCP socket instead (e.g. one made
+        inside a test-bed network namespace, see ``ztunnel.testing.apps.listen_in``); the
+        server owns it from now on. Connections already waiting in its backlog are served.
+        ``restart`` is not possible then (the socket's namespace is not known here): call
+        ``stop`` and ``start(sock=...)`` with a new socket instead.
+        """
         if self._server is not None:
             raise RuntimeError("already started")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port or self._port))
-            sock.listen(64)
+        if sock is not None:
             sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
+            host, port = sock.getsockname()[:2]
+            self._premade = True
+        else:
+            if self._premade:
+                raise RuntimeError("started on a pre-made socket: pass a new one to start()")
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, port or self._port))
+                sock.listen(64)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
         self._host, self._port = host, sock.getsockname()[1]
         server = _TrackingServer([self])
         await server.start(sock=sock, ssl=self._ssl)
