@@ -4,11 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps)
+# iptables/iproute2 (ip, ss): the netns test bed; nodejs: the HBONE interop tests (Node's http2);
+# haproxy, iperf3, stunnel4: the benchmarks' peers and load.
+APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node may come with the machine image rather than from Debian: only install it when absent.
+command -v node >/dev/null 2>&1 || missing+=(nodejs)
 if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
