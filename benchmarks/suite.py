@@ -1,0 +1,1004 @@
+"""The benchmark suite: ztunnel against HAProxy and stunnel, every path in one run, in netns pods.
+
+Usage: ``python benchmarks/suite.py --quick`` (root; ``make bench``; about 3 minutes) or without
+``--quick`` for longer runs and more rounds. Results: ``benchmarks/results/suite.json``,
+``benchmarks/results/suite.md`` and ``benchmarks/results/suite_*.png`` (plots need matplotlib; the
+suite skips them with a message when it is missing).
+
+Topology: the test bed of ``bench_hbone.py`` (nodes n1 and n2; pods ``a`` (n1) and ``b`` (n2) with
+in-pod iptables rules and one ztunnel each in dedicated mode; pods ``c`` (n1) and ``d`` (n2)
+without rules, ``d`` being a ``protocol: TCP`` workload) plus pods ``g`` (n1, HAProxy), ``e`` (n1,
+stunnel client) and ``f`` (n2, stunnel server, iperf3, echo). Paths:
+
+* ``direct``: c -> d, no proxy;
+* ``ztunnel-tcp``: a -> d through ztunnel-a (plain passthrough);
+* ``ztunnel-hbone``: a -> b, ztunnel-a -> mTLS + HTTP/2 CONNECT -> ztunnel-b -> app;
+* ``haproxy-splice``: g -> 127.0.0.1 -> HAProxy (TCP mode, splice, ``tune.pipesize 1048576``,
+  1 thread) -> d: the plaintext peer of ``ztunnel-tcp``;
+* ``stunnel-pair``: e -> 127.0.0.1 -> stunnel -> TLS 1.3 with client certificates -> stunnel ->
+  127.0.0.1 in f: the encrypted peer of ``ztunnel-hbone`` (no HTTP/2).
+
+Each path is checked to really go through its proxies: ztunnel access-log byte counts, HAProxy log
+lines (``%U`` bytes uploaded), stunnel "Connection closed" byte counts, compared with iperf3.
+
+Internal sub-commands (run inside pods): ``rr`` (paced / max-rate 1 KiB request-response load
+generator) and ``idle`` (opens N idle connections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import platform
+import re
+import resource
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import bench_hbone as bh  # noqa: E402
+
+ROOT = bh.ROOT
+RESULTS = ROOT / "benchmarks" / "results"
+IPERF_PORT = bh.IPERF_PORT
+ECHO_PORT = bh.ECHO_PORT
+SUITE = "TLS_AES_256_GCM_SHA384"  # what ztunnel negotiates (AES_256 first, as upstream)
+HAP_IPERF, HAP_ECHO = 6001, 6101
+ST_IPERF, ST_ECHO = 6000, 6100
+ST_TLS_IPERF, ST_TLS_ECHO = 8443, 8444
+
+# targets, as ratios in the same run
+T_PLAIN_VS_HAPROXY = 1.0
+T_HBONE_VS_STUNNEL = 1.0
+T_ADDED_P99_MS = 0.5
+T_VCPU_PER_KRPS = 0.10
+T_KIB_PER_IDLE = 10.0
+
+
+# ---------------------------------------------------------------------------------------------
+# sub-commands that run inside a pod
+
+
+def _pct(sorted_vals: list[float], q: float) -> float | None:
+    if not sorted_vals:
+        return None
+    return sorted_vals[min(len(sorted_vals) - 1, int(len(sorted_vals) * q))]
+
+
+def run_rr(ip: str, port: int, rate: float, conns: int, seconds: float, size: int) -> None:
+    """1 KiB request / 1 KiB response on ``conns`` connections, non-blocking, epoll.
+
+    ``rate`` > 0: open loop, request k is due at start + k/rate and goes out on the first free
+    connection (latency from the send; ``lag`` = how late the send was vs. the schedule, the check
+    that the generator keeps up; ``co_p99`` counts from the due time). ``rate`` = 0: closed loop,
+    each connection sends its next request as soon as its reply is complete (maximum rate).
+    Prints one JSON line."""
+    payload = b"q" * size
+    socks = []
+    for _ in range(conns):
+        s = socket.create_connection((ip, port), timeout=5)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(payload)  # warm-up round trip on each connection
+        got = 0
+        while got < size:
+            got += len(s.recv(65536))
+        s.setblocking(False)
+        socks.append(s)
+    ep = select.epoll()
+    fdmap = {}
+    for i, s in enumerate(socks):
+        ep.register(s.fileno(), select.EPOLLIN)
+        fdmap[s.fileno()] = i
+    got = [0] * conns
+    due = [0.0] * conns
+    sent = [0.0] * conns
+    free = collections.deque(range(conns))
+    pending: collections.deque[float] = collections.deque()
+    lat: list[float] = []
+    lag: list[float] = []
+    co: list[float] = []
+    errors = 0
+    clock = time.perf_counter
+    t_cpu0 = os.times()
+    start = clock() + 0.02
+    end = start + seconds
+    k = 0
+    busy = 0
+    while True:
+        now = clock()
+        if now < end:
+            if rate > 0:
+                while True:
+                    t = start + k / rate
+                    if t > now or t >= end:
+                        break
+                    pending.append(t)
+                    k += 1
+            else:
+                while len(pending) < len(free):
+                    pending.append(now)
+        while pending and free:
+            i = free.popleft()
+            t = pending.popleft()
+            try:
+                n = socks[i].send(payload)
+            except OSError:
+                n = -1
+            if n != size:
+                errors += 1
+                continue
+            due[i], sent[i] = t, clock()
+            lag.append(sent[i] - t)
+            busy += 1
+        if now >= end and busy == 0:
+            break
+        if now >= end + 5:
+            errors += busy
+            break
+        timeout = 0.5
+        if rate > 0 and now < end:
+            timeout = max(0.0, start + k / rate - clock())
+        for fd, _ in ep.poll(timeout):
+            i = fdmap[fd]
+            try:
+                data = socks[i].recv(65536)
+            except BlockingIOError:
+                continue
+            if not data:
+                errors += 1
+                ep.unregister(fd)
+                busy -= 1
+                continue
+            got[i] += len(data)
+            if got[i] >= size:
+                got[i] = 0
+                t = clock()
+                lat.append(t - sent[i])
+                co.append(t - due[i])
+                busy -= 1
+                free.append(i)
+    t_cpu1 = os.times()
+    for s in socks:
+        s.close()
+    lat.sort()
+    lag.sort()
+    co.sort()
+    cpu = (t_cpu1.user + t_cpu1.system) - (t_cpu0.user + t_cpu0.system)
+    ms = 1e3
+    print(
+        json.dumps(
+            {
+                "requests": len(lat),
+                "errors": errors,
+                "seconds": seconds,
+                "rps": len(lat) / seconds,
+                "p50_ms": (_pct(lat, 0.50) or 0) * ms,
+                "p90_ms": (_pct(lat, 0.90) or 0) * ms,
+                "p99_ms": (_pct(lat, 0.99) or 0) * ms,
+                "co_p99_ms": (_pct(co, 0.99) or 0) * ms,
+                "lag_p99_ms": (_pct(lag, 0.99) or 0) * ms,
+                "client_cores": cpu / seconds,
+            }
+        ),
+        flush=True,
+    )
+
+
+def run_idle(ip: str, port: int, n: int) -> None:
+    """Open ``n`` connections, one 1-byte round trip each (the tunnel is up end to end), print
+    ``READY <n>``, then hold them idle until stdin closes."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, n + 100), max(hard, n + 100)))
+    socks: list[socket.socket] = []
+    ep = select.epoll()
+    inflight: dict[int, socket.socket] = {}
+    opened = 0
+    errors = 0
+    done = 0
+    while done + errors < n:
+        while opened < n and len(inflight) < 256:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect((ip, port))
+            inflight[s.fileno()] = s
+            ep.register(s.fileno(), select.EPOLLOUT)
+            opened += 1
+        for fd, ev in ep.poll(5.0):
+            s = inflight[fd]
+            if ev & select.EPOLLOUT:
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    errors += 1
+                    ep.unregister(fd)
+                    del inflight[fd]
+                    s.close()
+                    continue
+                s.send(b"i")
+                ep.modify(fd, select.EPOLLIN)
+                continue
+            try:
+                data = s.recv(16)
+            except OSError:
+                data = b""
+            ep.unregister(fd)
+            del inflight[fd]
+            if data:
+                done += 1
+                socks.append(s)
+            else:
+                errors += 1
+                s.close()
+    print(f"READY {done} {errors}", flush=True)
+    sys.stdin.read()
+    for s in socks:
+        s.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# proxies: HAProxy (plaintext peer) and stunnel (encrypted peer)
+
+
+class LineLog:
+    """Collect a process's output lines in a thread."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[str] = []
+        self._t = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._t.start()
+
+    def _pump(self, stream: Any) -> None:
+        for raw in iter(stream.readline, b""):
+            self.lines.append(raw.decode(errors="replace").rstrip())
+
+
+def haproxy_splice_cfg(maps: list[tuple[int, str]]) -> str:
+    out = [
+        "global",
+        "  nbthread 1",
+        "  maxconn 4000",
+        "  tune.pipesize 1048576",
+        "  tune.bufsize 65536",
+        "  log stdout format raw local0 info",
+        "defaults",
+        "  mode tcp",
+        "  log global",
+        '  log-format "HAPLOG %U %B"',
+        "  timeout connect 5s",
+        "  timeout client 60s",
+        "  timeout server 60s",
+        "  option splice-request",
+        "  option splice-response",
+    ]
+    for i, (lport, server) in enumerate(maps):
+        out += [f"listen l{i}", f"  bind 127.0.0.1:{lport}", f"  server s{i} {server}"]
+    return "\n".join(out) + "\n"
+
+
+def stunnel_cfg(
+    services: list[tuple[str, str, str]], ca: str, leaf: str, *, client: bool, pid: str
+) -> str:
+    out = [
+        "foreground = yes",
+        f"pid = {pid}",
+        "debug = notice",
+        "syslog = no",
+    ]
+    for name, accept, connect in services:
+        out += [
+            f"[{name}]",
+            f"client = {'yes' if client else 'no'}",
+            f"accept = {accept}",
+            f"connect = {connect}",
+            f"cert = {leaf}",
+            f"CAfile = {ca}",
+            "verifyChain = yes",
+            "checkHost = bench-leaf" if client else "requireCert = yes",
+            "sslVersionMin = TLSv1.3",
+            f"ciphersuites = {SUITE}",
+            "socket = l:TCP_NODELAY=1",
+            "socket = r:TCP_NODELAY=1",
+        ]
+    return "\n".join(x for x in out if x) + "\n"
+
+
+_ST_CLOSED = re.compile(
+    r"Connection (?:closed|reset): (\d+) byte\(s\) sent to TLS, (\d+) byte\(s\) sent"
+)
+_HAP = re.compile(r"HAPLOG (\d+) (\d+)")
+
+
+# ---------------------------------------------------------------------------------------------
+# paths
+
+
+@dataclass
+class Path_:
+    name: str
+    kind: str  # direct | ztunnel | haproxy | stunnel
+    client: Any
+    iperf: tuple[str, int]
+    echo: tuple[str, int]
+    pids: dict[str, int] = field(default_factory=dict)  # proxy processes measured ("a", "b")
+    zta: Any = None
+    ztb: Any = None
+    logs: dict[str, LineLog] = field(default_factory=dict)
+    res: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    @property
+    def proxied(self) -> bool:
+        return bool(self.pids)
+
+
+def _proof_start(p: Path_) -> dict[str, int]:
+    return {
+        "a": bh._nrec(p.zta),
+        "b": bh._nrec(p.ztb),
+        **{f"log_{k}": len(v.lines) for k, v in p.logs.items()},
+    }
+
+
+def _proof(p: Path_, start: dict[str, int], port: int, sent: float, conns: int) -> dict[str, Any]:
+    """Bytes / connections each proxy says it carried, as ratios of what the client sent."""
+    out: dict[str, Any] = {}
+    if p.kind == "ztunnel":
+        for side, zt, direction, key in (
+            ("a", p.zta, "outbound", "bytes_sent"),
+            ("b", p.ztb, "inbound", "bytes_recv"),
+        ):
+            if zt is None:
+                continue
+            bh._wait_records(zt, start[side], direction, port, conns)
+            n, nbytes = bh._zt_bytes(zt, start[side], direction, port, key)
+            out[f"proof_conns_{side}"] = n
+            if sent:
+                out[f"proof_bytes_ratio_{side}"] = nbytes / sent
+    elif p.kind in ("haproxy", "stunnel"):
+        for side, log in p.logs.items():
+            deadline = time.monotonic() + 3.0
+            while True:
+                n = total = 0
+                for line in log.lines[start[f"log_{side}"] :]:
+                    if p.kind == "haproxy" and (m := _HAP.search(line)):
+                        n, total = n + 1, total + int(m.group(1))
+                    elif p.kind == "stunnel" and (m := _ST_CLOSED.search(line)):
+                        # client side: plaintext from the app is "sent to TLS"; server: "to socket"
+                        n, total = n + 1, total + int(m.group(1 if side == "a" else 2))
+                if n >= conns or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            out[f"proof_conns_{side}"] = n
+            if sent:
+                out[f"proof_bytes_ratio_{side}"] = total / sent
+    return out
+
+
+def _cpu(p: Path_) -> dict[str, float]:
+    return {k: bh.cpu_seconds(pid) for k, pid in p.pids.items()}
+
+
+def run_iperf(p: Path_, seconds: int, streams: int) -> dict[str, Any]:
+    start = _proof_start(p)
+    cpu0 = _cpu(p)
+    busy0, tot0 = bh.box_busy()
+    ip, port = p.iperf
+    out = p.client.run(
+        "iperf3", "-c", ip, "-p", str(port), "-t", str(seconds), "-P", str(streams), "-J",
+        timeout=seconds + 30,
+    )  # fmt: skip
+    busy1, tot1 = bh.box_busy()
+    cpu1 = _cpu(p)
+    end = json.loads(out.stdout)["end"]
+    secs = float(end["sum_received"]["seconds"])
+    rbytes = float(end["sum_received"]["bytes"])
+    bits = rbytes * 8
+    res: dict[str, Any] = {
+        "streams": streams,
+        "gbps": float(end["sum_received"]["bits_per_second"]) / 1e9,
+        "bytes": rbytes,
+        "seconds": secs,
+        "box_busy_cores": (busy1 - busy0) / (tot1 - tot0) * (os.cpu_count() or 1),
+    }
+    total = 0.0
+    for k in cpu0:
+        c = cpu1[k] - cpu0[k]
+        total += c
+        res[f"cores_{k}"] = c / secs
+    if cpu0:
+        res["proxy_cores"] = total / secs
+        res["gbps_per_proxy_core"] = bits / 1e9 / total if total > 0 else None
+    # iperf3: one control connection + `streams` data connections
+    res |= _proof(p, start, port, float(end["sum_sent"]["bytes"]), streams + 1)
+    return res
+
+
+def run_rr_load(p: Path_, rate: float, conns: int, seconds: float) -> dict[str, Any]:
+    start = _proof_start(p)
+    cpu0 = _cpu(p)
+    ip, port = p.echo
+    out = p.client.run(
+        sys.executable, __file__, "rr", "--ip", ip, "--port", str(port), "--rate", str(rate),
+        "--conns", str(conns), "--seconds", str(seconds), timeout=seconds + 60,
+    )  # fmt: skip
+    cpu1 = _cpu(p)
+    r = json.loads(out.stdout)
+    total = 0.0
+    for k in cpu0:
+        c = cpu1[k] - cpu0[k]
+        total += c
+        r[f"cores_{k}"] = c / seconds
+    if cpu0 and r["rps"]:
+        krps = r["rps"] / 1000
+        r["proxy_cores"] = total / seconds
+        r["vcpu_per_krps"] = total / seconds / krps
+        r["vcpu_per_krps_max_side"] = max(r[f"cores_{k}"] for k in cpu0) / krps
+    # the generator's own check: paced sends on time, and it is not saturated
+    r["generator_ok"] = (
+        r["lag_p99_ms"] < 2.0 and r["rps"] >= 0.97 * rate if rate > 0 else r["client_cores"] < 0.9
+    )
+    r |= _proof(p, start, port, 0.0, conns)
+    return r
+
+
+def run_crr(p: Path_, seconds: float, procs: int) -> dict[str, Any]:
+    start = _proof_start(p)
+    cpu0 = _cpu(p)
+    ip, port = p.echo
+    out = p.client.run(
+        sys.executable, bh.__file__, "crr", "--ip", ip, "--port", str(port),
+        "--seconds", str(seconds), "--procs", str(procs), timeout=seconds + 60,
+    )  # fmt: skip
+    cpu1 = _cpu(p)
+    r = json.loads(out.stdout)
+    res: dict[str, Any] = {
+        "conn_per_s": r["conns"] / r["seconds"],
+        "conns": r["conns"],
+        "errors": r["errors"],
+        "p50_us": r["p50_us"],
+        "p99_us": r["p99_us"],
+    }
+    total = sum(cpu1[k] - cpu0[k] for k in cpu0)
+    if cpu0 and r["conns"]:
+        res["proxy_cpu_us_per_conn"] = total / r["conns"] * 1e6
+    res |= _proof(p, start, port, 0.0, 0)
+    return res
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def count_estab(pod: Any, sport: int) -> int:
+    out = pod.run("ss", "-Htn", "state", "established", f"( sport = :{sport} )").stdout
+    return sum(1 for line in out.splitlines() if line.strip())
+
+
+def run_idle_memory(p: Path_, server: Any, n: int) -> dict[str, Any]:
+    """RSS of both ztunnels at rest, then with ``n`` idle tunnelled connections open."""
+    time.sleep(1.0)
+    rss0 = {k: rss_kib(pid) for k, pid in p.pids.items()}
+    base_estab = count_estab(server, ECHO_PORT)
+    ip, port = p.echo
+    proc = p.client.popen(
+        sys.executable, __file__, "idle", "--ip", ip, "--port", str(port), "--n", str(n),
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    line = proc.wait_for_line("READY", timeout=300)
+    open_s = time.monotonic() - t0
+    _, done, errors = line.split()
+    time.sleep(2.0)
+    rss1 = {k: rss_kib(pid) for k, pid in p.pids.items()}
+    estab = count_estab(server, ECHO_PORT) - base_estab
+    assert proc.popen.stdin is not None
+    proc.popen.stdin.close()
+    proc.popen.wait(timeout=60)
+    delta = {k: rss1[k] - rss0[k] for k in rss0}
+    opened = int(done)
+    return {
+        "n": n,
+        "opened": opened,
+        "errors": int(errors),
+        "open_seconds": open_s,
+        "app_side_established": estab,
+        "rss_kib_at_rest": rss0,
+        "rss_kib_loaded": rss1,
+        "rss_delta_kib": delta,
+        "kib_per_conn": sum(delta.values()) / opened if opened else None,
+        "kib_per_conn_by_side": {k: v / opened for k, v in delta.items()} if opened else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the test bed
+
+
+@contextlib.contextmanager
+def suite_bed(loop: str) -> Iterator[list[Path_]]:
+    with bh.testbed([], loop, haproxy=False) as bed, tempfile.TemporaryDirectory() as tmp:
+        tb, pods, zts = bed["bed"], bed["pods"], bed["zts"]
+        n1, n2 = tb.host("n1"), tb.host("n2")
+        g = n1.add_pod("g", ambient=False)
+        e, f = n1.add_pod("e", ambient=False), n2.add_pod("f", ambient=False)
+        for pod in (g, e, f):
+            pod.sysctl("net.ipv4.tcp_tw_reuse", 1)
+            pod.sysctl("net.ipv4.ip_local_port_range", "1024 65000")
+        d = pods["d"]
+        # HAProxy splice in g, towards d's iperf3 and echo
+        cfg = Path(tmp, "hap.cfg")
+        cfg.write_text(
+            haproxy_splice_cfg(
+                [(HAP_IPERF, f"{d.ip4}:{IPERF_PORT}"), (HAP_ECHO, f"{d.ip4}:{ECHO_PORT}")]
+            )
+        )
+        hap = g.popen(bh.HAPROXY, "-db", "-f", str(cfg), stdout=subprocess.PIPE)
+        hap_log = LineLog(hap.popen.stdout)
+        # stunnel pair e -> f, servers in f
+        ca, leaf = bh.make_certs(tmp)
+        for srv in (
+            ("iperf3", "-s", "-p", str(IPERF_PORT)),
+            (sys.executable, bh.__file__, "echo", "--port", str(ECHO_PORT)),
+        ):
+            proc = f.popen(*srv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            if "echo" in srv:
+                proc.wait_for_line("READY", timeout=15)
+        cf, ce = Path(tmp, "st_f.conf"), Path(tmp, "st_e.conf")
+        cf.write_text(
+            stunnel_cfg(
+                [
+                    ("iperf", f"0.0.0.0:{ST_TLS_IPERF}", f"127.0.0.1:{IPERF_PORT}"),
+                    ("echo", f"0.0.0.0:{ST_TLS_ECHO}", f"127.0.0.1:{ECHO_PORT}"),
+                ],
+                ca, leaf, client=False, pid=str(Path(tmp, "f.pid")),
+            )
+        )  # fmt: skip
+        ce.write_text(
+            stunnel_cfg(
+                [
+                    ("iperf", f"127.0.0.1:{ST_IPERF}", f"{f.ip4}:{ST_TLS_IPERF}"),
+                    ("echo", f"127.0.0.1:{ST_ECHO}", f"{f.ip4}:{ST_TLS_ECHO}"),
+                ],
+                ca, leaf, client=True, pid=str(Path(tmp, "e.pid")),
+            )
+        )  # fmt: skip
+        stf = f.popen("stunnel", str(cf), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        ste = e.popen("stunnel", str(ce), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        st_logs = {"a": LineLog(ste.popen.stdout), "b": LineLog(stf.popen.stdout)}
+        bh.wait_until(lambda: bh.listening_in(hap.pid, HAP_ECHO), 10, "haproxy")
+        bh.wait_until(lambda: bh.listening_in(stf.pid, ST_TLS_ECHO), 10, "stunnel f")
+        bh.wait_until(lambda: bh.listening_in(ste.pid, ST_ECHO), 10, "stunnel e")
+        bh.wait_until(lambda: bh.listening_in(stf.pid, IPERF_PORT), 10, "iperf3 in f")
+        b = pods["b"]
+        lo = "127.0.0.1"
+        paths = [
+            Path_("direct", "direct", pods["c"], (d.ip4, IPERF_PORT), (d.ip4, ECHO_PORT)),
+            Path_(
+                "ztunnel-tcp", "ztunnel", pods["a"], (d.ip4, IPERF_PORT), (d.ip4, ECHO_PORT),
+                pids={"a": zts["a"].pid}, zta=zts["a"],
+            ),
+            Path_(
+                "ztunnel-hbone", "ztunnel", pods["a"], (b.ip4, IPERF_PORT), (b.ip4, ECHO_PORT),
+                pids={"a": zts["a"].pid, "b": zts["b"].pid}, zta=zts["a"], ztb=zts["b"],
+            ),
+            Path_(
+                "haproxy-splice", "haproxy", g, (lo, HAP_IPERF), (lo, HAP_ECHO),
+                pids={"a": hap.pid}, logs={"a": hap_log},
+            ),
+            Path_(
+                "stunnel-pair", "stunnel", e, (lo, ST_IPERF), (lo, ST_ECHO),
+                pids={"a": ste.pid, "b": stf.pid}, logs=st_logs,
+            ),
+        ]  # fmt: skip
+        yield paths
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def med(runs: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def fmt(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**MISSED**")
+
+
+def summarize(paths: list[Path_]) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    for p in paths:
+        row: dict[str, Any] = {"kind": p.kind}
+        for key, runs in p.res.items():
+            if key == "idle":
+                row["idle"] = runs[0] if runs else None
+                continue
+            fields = {k for r in runs for k, v in r.items() if isinstance(v, int | float)}
+            row[key] = {k: med(runs, k) for k in sorted(fields)}
+        s[p.name] = row
+    return s
+
+
+def _get(s: dict[str, Any], path: str, test: str, key: str) -> float | None:
+    return (s.get(path, {}).get(test) or {}).get(key)
+
+
+def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    for t in ("tput_1", "tput_8"):
+        n = t.split("_")[1]
+        r = ratio(
+            _get(s, "ztunnel-tcp", t, "gbps_per_proxy_core"),
+            _get(s, "haproxy-splice", t, "gbps_per_proxy_core"),
+        )
+        out.append(
+            {
+                "target": f"plaintext Gbit/s per proxy core vs HAProxy splice ({n} stream(s))",
+                "want": f">= {T_PLAIN_VS_HAPROXY:.1f}x",
+                "value": r,
+                "shown": f"{fmt(r)}x",
+                "met": None if r is None else r >= T_PLAIN_VS_HAPROXY,
+            }
+        )
+        r = ratio(
+            _get(s, "ztunnel-hbone", t, "gbps_per_proxy_core"),
+            _get(s, "stunnel-pair", t, "gbps_per_proxy_core"),
+        )
+        out.append(
+            {
+                "target": f"HBONE Gbit/s per proxy core vs stunnel pair ({n} stream(s))",
+                "want": f">= {T_HBONE_VS_STUNNEL:.1f}x",
+                "value": r,
+                "shown": f"{fmt(r)}x",
+                "met": None if r is None else r >= T_HBONE_VS_STUNNEL,
+            }
+        )
+    hb, di = _get(s, "ztunnel-hbone", "rr_paced", "p99_ms"), _get(s, "direct", "rr_paced", "p99_ms")
+    added = hb - di if hb is not None and di is not None else None
+    out.append(
+        {
+            "target": "HBONE added p99 latency at 1000 rps (vs direct)",
+            "want": f"<= {T_ADDED_P99_MS} ms",
+            "value": added,
+            "shown": f"{fmt(added, '.3f')} ms",
+            "met": None if added is None else added <= T_ADDED_P99_MS,
+        }
+    )
+    for name in ("ztunnel-tcp", "ztunnel-hbone"):
+        v = _get(s, name, "rr_paced", "vcpu_per_krps_max_side")
+        tot = _get(s, name, "rr_paced", "vcpu_per_krps")
+        out.append(
+            {
+                "target": f"{name}: vCPU per 1000 rps (busiest ztunnel; both: {fmt(tot, '.3f')})",
+                "want": f"<= {T_VCPU_PER_KRPS:.2f}",
+                "value": v,
+                "shown": fmt(v, ".3f"),
+                "met": None if v is None else v <= T_VCPU_PER_KRPS,
+            }
+        )
+    idle = s.get("ztunnel-hbone", {}).get("idle") or {}
+    v = idle.get("kib_per_conn")
+    out.append(
+        {
+            "target": "memory per idle HBONE connection (RSS delta of both ztunnels / N)",
+            "want": f"< {T_KIB_PER_IDLE:.0f} KiB",
+            "value": v,
+            "shown": f"{fmt(v, '.2f')} KiB",
+            "met": None if v is None else v < T_KIB_PER_IDLE,
+        }
+    )
+    return out
+
+
+def markdown(doc: dict[str, Any], paths: list[Path_]) -> str:
+    s = doc["summary"]
+    p_ = doc["params"]
+    lines = [
+        f"## Benchmark suite ({'quick' if p_['quick'] else 'full'}), {doc['when']}",
+        "",
+        f"{doc['env']['cpus']} vCPU ({doc['env']['cpu_model']}), kernel {doc['env']['kernel']}, "
+        f"Python {doc['env']['python']}. iperf3 -t {p_['iperf_seconds']}, {p_['rounds']} "
+        "interleaved round(s), median. Proxy CPU = utime+stime of every proxy process on the "
+        "path (ztunnel-a + ztunnel-b; both stunnels) from /proc. Shared VM: compare per-core "
+        "columns and ratios, not absolute Gbit/s.",
+        "",
+        "### Targets (ratios in this run)",
+        "",
+        "| target | want | this run | verdict |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {t['target']} | {t['want']} | {t['shown']} | {verdict(t['met'])} |"
+        for t in doc["targets"]
+    ]
+    lines += [
+        "",
+        "### Throughput",
+        "",
+        "| path | 1 stream Gbit/s | proxy cores | **Gbit/s per proxy core** | 8 streams Gbit/s "
+        "| proxy cores | **Gbit/s per proxy core** | proof: proxy bytes / iperf bytes (a, b) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in paths:
+        r1, r8 = s[p.name].get("tput_1") or {}, s[p.name].get("tput_8") or {}
+        proof = (
+            ", ".join(
+                fmt(r1.get(f"proof_bytes_ratio_{k}"), ".3f") + "/" + fmt(r8.get(f"proof_bytes_ratio_{k}"), ".3f")
+                for k in p.pids
+            )
+            if p.proxied
+            else "-"
+        )  # fmt: skip
+        lines.append(
+            f"| {p.name} | {fmt(r1.get('gbps'))} | {fmt(r1.get('proxy_cores'))} "
+            f"| {fmt(r1.get('gbps_per_proxy_core'))} | {fmt(r8.get('gbps'))} "
+            f"| {fmt(r8.get('proxy_cores'))} | {fmt(r8.get('gbps_per_proxy_core'))} | {proof} |"
+        )
+    lp = doc["params"]
+    lines += [
+        "",
+        f"### Latency, 1 KiB request/response, {lp['rr_conns']} connections, {lp['rr_seconds']} s",
+        "",
+        "Paced: fixed schedule at 1000 rps (latency from each send; *lag* = how late sends left vs "
+        "the schedule, *CO p99* counts from the scheduled time). Max: closed loop, "
+        f"{lp['rr_max_conns']} connections. *gen ok* = sends on time and the generator below 0.9 "
+        "core (it is not the bottleneck).",
+        "",
+        "| path | 1000 rps p50 / p90 / p99 ms | added p99 ms | CO p99 ms | lag p99 ms | proxy "
+        "vCPU per 1000 rps (sum / busiest) | gen ok | max rps | max p50 / p90 / p99 ms "
+        "| proxy cores at max | gen cores at max | new conn/s | proxy CPU µs/conn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    d99 = _get(s, "direct", "rr_paced", "p99_ms")
+    for p in paths:
+        a, m, c = (s[p.name].get(k) or {} for k in ("rr_paced", "rr_max", "crr"))
+        added = a["p99_ms"] - d99 if a.get("p99_ms") is not None and d99 is not None else None
+        ok = all(r.get("generator_ok") for r in p.res.get("rr_paced", []))
+        okm = all(r.get("generator_ok") for r in p.res.get("rr_max", []))
+        lines.append(
+            f"| {p.name} | {fmt(a.get('p50_ms'), '.3f')} / {fmt(a.get('p90_ms'), '.3f')} / "
+            f"{fmt(a.get('p99_ms'), '.3f')} | {fmt(added, '.3f')} | {fmt(a.get('co_p99_ms'), '.3f')} "
+            f"| {fmt(a.get('lag_p99_ms'), '.3f')} | {fmt(a.get('vcpu_per_krps'), '.3f')} / "
+            f"{fmt(a.get('vcpu_per_krps_max_side'), '.3f')} | {'yes' if ok else 'NO'} "
+            f"| {fmt(m.get('rps'), '.0f')} | {fmt(m.get('p50_ms'), '.3f')} / "
+            f"{fmt(m.get('p90_ms'), '.3f')} / {fmt(m.get('p99_ms'), '.3f')} "
+            f"| {fmt(m.get('proxy_cores'))} | {fmt(m.get('client_cores'))}"
+            f"{'' if okm else ' (client-bound)'} | {fmt(c.get('conn_per_s'), '.0f')} "
+            f"| {fmt(c.get('proxy_cpu_us_per_conn'), '.0f')} |"
+        )
+    idle = s.get("ztunnel-hbone", {}).get("idle")
+    if idle:
+        lines += [
+            "",
+            f"### Memory: {idle['opened']} idle connections through ztunnel HBONE "
+            f"(opened in {idle['open_seconds']:.1f} s, {idle['errors']} errors; "
+            f"{idle['app_side_established']} established at the app)",
+            "",
+            "| ztunnel | RSS at rest KiB | RSS with idle conns KiB | delta KiB | KiB per conn |",
+            "|---|---|---|---|---|",
+        ]
+        for k in idle["rss_kib_at_rest"]:
+            lines.append(
+                f"| {k} | {idle['rss_kib_at_rest'][k]} | {idle['rss_kib_loaded'][k]} "
+                f"| {idle['rss_delta_kib'][k]} | {fmt(idle['kib_per_conn_by_side'][k])} |"
+            )
+        lines.append(f"| **both** | | | | **{fmt(idle['kib_per_conn'])}** |")
+        lines += [
+            "",
+            f"RSS right after start (before any load): {doc['params'].get('rss_kib_at_start')} "
+            "KiB; 'at rest' is measured just before opening the idle connections.",
+        ]
+    lines += [
+        "",
+        "Paths: `direct` c -> d; `ztunnel-tcp` a -> ztunnel-a -> d (plain); `ztunnel-hbone` a -> "
+        "ztunnel-a -> mTLS 1.3 + HTTP/2 CONNECT -> ztunnel-b -> b; `haproxy-splice` HAProxy "
+        "TCP mode, splice, tune.pipesize 1048576, 1 thread; `stunnel-pair` stunnel -> TLS 1.3 "
+        f"({SUITE}, client certificates required) -> stunnel. *new conn/s*: connect / 1-byte "
+        "request / reply / close, 4 client processes; for `stunnel-pair` each is a full mTLS "
+        "handshake (so it is its handshakes/s), ztunnel-hbone reuses its pooled HBONE connection.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plots(doc: dict[str, Any], paths: list[Path_]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "plots skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr
+        )
+        return []
+    s = doc["summary"]
+    names = [p.name for p in paths]
+    out = []
+    figs: list[tuple[str, str, list[tuple[str, str, str]]]] = [
+        ("suite_throughput.png", "Gbit/s", [("tput_1", "gbps", "1 stream"), ("tput_8", "gbps", "8 streams")]),
+        ("suite_per_core.png", "Gbit/s per proxy core",
+         [("tput_1", "gbps_per_proxy_core", "1 stream"), ("tput_8", "gbps_per_proxy_core", "8 streams")]),
+        ("suite_latency.png", "ms at 1000 rps",
+         [("rr_paced", "p50_ms", "p50"), ("rr_paced", "p90_ms", "p90"), ("rr_paced", "p99_ms", "p99")]),
+    ]  # fmt: skip
+    for fname, ylabel, series in figs:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        w = 0.8 / len(series)
+        for j, (test, key, label) in enumerate(series):
+            vals = [_get(s, n, test, key) or 0 for n in names]
+            ax.bar([i + j * w for i in range(len(names))], vals, w, label=label)
+        ax.set_xticks([i + w * (len(series) - 1) / 2 for i in range(len(names))], names)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        ax.set_title(f"{ylabel} ({'quick' if doc['params']['quick'] else 'full'} suite)")
+        fig.tight_layout()
+        path = RESULTS / fname
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(str(path.relative_to(ROOT)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+
+
+def drive(args: argparse.Namespace) -> None:
+    quick = args.quick
+    seconds = args.seconds or (3 if quick else 10)
+    rounds = args.rounds or (2 if quick else 3)
+    rr_seconds = 4.0 if quick else 10.0
+    params = {
+        "quick": quick,
+        "iperf_seconds": seconds,
+        "rounds": rounds,
+        "rr_seconds": rr_seconds,
+        "rr_rate": 1000,
+        "rr_conns": 4,
+        "rr_max_conns": 16,
+        "crr_seconds": 2.0 if quick else 4.0,
+        "crr_procs": 4,
+        "idle_conns": args.idle_conns,
+    }
+    # 10k idle connections: client, both ztunnels and the echo server need the descriptors
+    want = max(args.idle_conns * 2 + 1000, 65536)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+    except (ValueError, OSError):
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    started = time.monotonic()
+    with suite_bed(args.loop) as paths:
+        print(f"testbed up in {time.monotonic() - started:.1f}s", file=sys.stderr)
+        hb = next(p for p in paths if p.name == "ztunnel-hbone")
+        time.sleep(1.0)
+        params["rss_kib_at_start"] = {k: rss_kib(pid) for k, pid in hb.pids.items()}
+        for p in paths:  # warm-up: HBONE pool, caches
+            run_crr(p, 0.3, 1)
+            run_iperf(p, 1, 1)
+
+        def record(p: Path_, key: str, r: dict[str, Any]) -> None:
+            p.res.setdefault(key, []).append(r)
+            brief = " ".join(
+                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in r.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            )
+            print(f"  {p.name} {key}: {brief}", file=sys.stderr)
+
+        if args.only in (None, "tput"):
+            for _ in range(rounds):
+                for streams in (1, 8):
+                    for p in paths:
+                        record(p, f"tput_{streams}", run_iperf(p, seconds, streams))
+        if args.only in (None, "rr"):
+            for p in paths:
+                record(p, "rr_paced", run_rr_load(p, 1000, params["rr_conns"], rr_seconds))
+            for p in paths:
+                record(p, "rr_max", run_rr_load(p, 0, params["rr_max_conns"], rr_seconds / 2))
+            for p in paths:
+                record(p, "crr", run_crr(p, params["crr_seconds"], params["crr_procs"]))
+        if args.only in (None, "idle") and args.idle_conns > 0:
+            server = hb.ztb.host
+            r = run_idle_memory(hb, server, args.idle_conns)
+            hb.res["idle"] = [r]
+            print(f"  idle: {r}", file=sys.stderr)
+        summary = summarize(paths)
+    doc: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/suite.py", *sys.argv[1:]]),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "env": {
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "cpu_model": bh._cpu_model(),
+            "python": platform.python_version(),
+            "iperf3": bh.tool_version(["iperf3", "--version"]),
+            "haproxy": bh.tool_version([bh.HAPROXY, "-v"]),
+            "stunnel": bh.tool_version(["stunnel", "-version"]),
+            "git_head": bh._git("rev-parse", "HEAD"),
+            "load_avg_at_end": os.getloadavg(),
+        },
+        "params": params,
+        "summary": summary,
+        "runs": {p.name: p.res for p in paths},
+    }
+    doc["targets"] = targets(summary)
+    md = markdown(doc, paths)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if not args.no_plots:
+        doc["plots"] = plots(doc, paths)
+        if doc["plots"]:
+            md += "\n" + "\n".join(f"![{Path(x).stem}]({Path(x).name})" for x in doc["plots"])
+            md += "\n"
+    doc["markdown"] = md
+    (RESULTS / "suite.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (RESULTS / "suite.md").write_text(md)
+    print(md)
+    print(f"wrote benchmarks/results/suite.json and suite.md ({doc['elapsed_s']:.0f} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd")
+    ap.add_argument("--quick", action="store_true", help="short runs (the `make bench` suite)")
+    ap.add_argument("--rounds", type=int, help="interleaved throughput rounds (2 quick / 3)")
+    ap.add_argument("--seconds", type=int, help="iperf3 -t (3 quick / 10)")
+    ap.add_argument("--idle-conns", type=int, default=10_000, help="0 to skip")
+    ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    ap.add_argument("--only", choices=["tput", "rr", "idle"], help="one part (development)")
+    ap.add_argument("--no-plots", action="store_true")
+    r = sub.add_parser("rr")
+    r.add_argument("--ip", required=True)
+    r.add_argument("--port", type=int, required=True)
+    r.add_argument("--rate", type=float, default=1000.0, help="0 = closed loop (max rate)")
+    r.add_argument("--conns", type=int, default=4)
+    r.add_argument("--seconds", type=float, default=5.0)
+    r.add_argument("--size", type=int, default=1024)
+    i = sub.add_parser("idle")
+    i.add_argument("--ip", required=True)
+    i.add_argument("--port", type=int, required=True)
+    i.add_argument("--n", type=int, default=10_000)
+    args = ap.parse_args()
+    if args.cmd == "rr":
+        run_rr(args.ip, args.port, args.rate, args.conns, args.seconds, args.size)
+    elif args.cmd == "idle":
+        run_idle(args.ip, args.port, args.n)
+    else:
+        if os.geteuid() != 0:
+            sys.exit("suite.py needs root (network namespaces)")
+        drive(args)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
