@@ -71,6 +71,19 @@ class Cluster:
         self.agents[node.name] = agent
         return agent
 
+    def start(self, *n1_pods: Pod) -> tuple[FakeNodeAgent, ZtunnelProcess, ZtunnelProcess]:
+        """Node agents knowing c1 (plus ``n1_pods``) on n1 and s1 on n2, a ztunnel per node with
+        its snapshot applied, and an echo app on s1:8080."""
+        a1, a2 = self.agent(self.n1), self.agent(self.n2)
+        for pod in (self.c1, *n1_pods):
+            a1.put_pod(f"uid-{pod.name}", info(pod), pod)  # known before start: in the snapshot
+        a2.put_pod("uid-s1", info(self.s1), self.s1)
+        z1, z2 = self.ztunnel(self.n1), self.ztunnel(self.n2)
+        a1.wait_for_snapshot()
+        a2.wait_for_snapshot()
+        start_app(self.s1, "echo", ports=(8080,))
+        return a1, z1, z2
+
 
 @contextlib.contextmanager
 def cluster() -> Iterator[Cluster]:
@@ -117,13 +130,7 @@ def listening(pod: Pod, port: int) -> bool:
 
 def test_pods_added_before_and_after_start_are_proxied() -> None:
     with cluster() as cl:
-        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
-        a1.put_pod("uid-c1", info(cl.c1), cl.c1)  # known before ztunnel starts: in the snapshot
-        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
-        z1, z2 = cl.ztunnel(cl.n1), cl.ztunnel(cl.n2)
-        a1.wait_for_snapshot()
-        a2.wait_for_snapshot()
-        start_app(cl.s1, "echo", ports=(8080,))
+        a1, z1, z2 = cl.start()
         assert echo_through(cl.c1, cl.s1, 8080) == "hi"
         ex = a1.add_pod("uid-c2", info(cl.c2), cl.c2)  # steady state, after start
         assert ex.acked, ex
@@ -143,14 +150,7 @@ def test_pods_added_before_and_after_start_are_proxied() -> None:
 
 def test_deleted_pod_closes_listeners_and_connections() -> None:
     with cluster() as cl:
-        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
-        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
-        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
-        z1 = cl.ztunnel(cl.n1)
-        cl.ztunnel(cl.n2)
-        a1.wait_for_snapshot()
-        a2.wait_for_snapshot()
-        start_app(cl.s1, "echo", ports=(8080,))
+        a1, z1, _z2 = cl.start()
         s = connect_from(cl.c1, cl.s1.ip4, 8080, timeout=5)
         s.sendall(b"one\n")
         assert recv_line(s) == "one"
@@ -171,15 +171,7 @@ def test_deleted_pod_closes_listeners_and_connections() -> None:
 
 def test_agent_restart_reconciles_and_keeps_surviving_pods() -> None:
     with cluster() as cl:
-        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
-        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
-        a1.put_pod("uid-c2", info(cl.c2), cl.c2)
-        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
-        z1 = cl.ztunnel(cl.n1)
-        cl.ztunnel(cl.n2)
-        a1.wait_for_snapshot()
-        a2.wait_for_snapshot()
-        start_app(cl.s1, "echo", ports=(8080,))
+        a1, z1, _z2 = cl.start(cl.c2)
         live = connect_from(cl.c1, cl.s1.ip4, 8080, timeout=5)
         live.sendall(b"before\n")
         assert recv_line(live) == "before"
@@ -205,13 +197,7 @@ def test_agent_restart_reconciles_and_keeps_surviving_pods() -> None:
 
 def test_ztunnel_restart_gets_snapshot() -> None:
     with cluster() as cl:
-        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
-        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
-        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
-        z1 = cl.ztunnel(cl.n1)
-        cl.ztunnel(cl.n2)
-        a1.wait_for_snapshot()
-        start_app(cl.s1, "echo", ports=(8080,))
+        a1, z1, _z2 = cl.start()
         assert echo_through(cl.c1, cl.s1, 8080) == "hi"
         assert z1.stop() == 0
         cl.zts.remove(z1)
@@ -223,13 +209,7 @@ def test_ztunnel_restart_gets_snapshot() -> None:
 
 def test_upgrade_two_ztunnels_side_by_side_refuse_nothing() -> None:
     with cluster() as cl:
-        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
-        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
-        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
-        old = cl.ztunnel(cl.n1)
-        cl.ztunnel(cl.n2)
-        a1.wait_for_snapshot()
-        start_app(cl.s1, "echo", ports=(8080,))
+        a1, old, _z2 = cl.start()
 
         failures: list[BaseException] = []
         done = 0
@@ -270,13 +250,7 @@ def test_upgrade_two_ztunnels_side_by_side_refuse_nothing() -> None:
 
 def test_bad_input_is_rejected_and_other_pods_keep_working() -> None:
     with cluster() as cl:
-        a1, a2 = cl.agent(cl.n1), cl.agent(cl.n2)
-        a1.put_pod("uid-c1", info(cl.c1), cl.c1)
-        a2.put_pod("uid-s1", info(cl.s1), cl.s1)
-        z1 = cl.ztunnel(cl.n1)
-        cl.ztunnel(cl.n2)
-        a1.wait_for_snapshot()
-        start_app(cl.s1, "echo", ports=(8080,))
+        a1, z1, _z2 = cl.start()
         assert echo_through(cl.c1, cl.s1, 8080) == "hi"
         base = settled(z1)
 
