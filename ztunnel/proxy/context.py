@@ -7,19 +7,20 @@ In dedicated mode there is one instance for the process; in shared (in-pod) mode
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ztunnel.config import Config
 from ztunnel.core.addr import IPAddr, SocketAddr
-from ztunnel.core.errors import AuthorizationDenied
+from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.metrics import BaggageLike, ConnectionMetrics, Metrics, flag_for
-from ztunnel.net.copy import CopyCounters, PipePool
+from ztunnel.net.copy import CopyCounters, PipePool, copy_bidirectional
 from ztunnel.proxy.sockets import SocketFactory
 from ztunnel.state.authz import Connection, PolicyIndex
 from ztunnel.state.model import Service, Workload
@@ -32,6 +33,10 @@ access_log = logging.getLogger("access")
 log = logging.getLogger("ztunnel.proxy")
 
 DRAIN_REASON = "connection closed due to connection drain"
+# How long an inbound connection waits for its pod's workload to appear in state
+# (istio/ztunnel LocalWorkloadInformation), and what it logs when it never does.
+LOCAL_WORKLOAD_WAIT = 5.0
+UNKNOWN_LOCAL_WORKLOAD = "failed to fetch information about local workload"
 
 
 class HboneOutbound(Protocol):
@@ -211,7 +216,7 @@ class ProxyContext:
         if self.metrics is not None:
             rec.metrics = self.metrics.open_for_record(rec, mtls=mtls, baggage=baggage)
 
-    async def wait_local_workload(self, timeout: float) -> Workload | None:
+    async def wait_local_workload(self, timeout: float = LOCAL_WORKLOAD_WAIT) -> Workload | None:
         """The local workload; while it is unknown (e.g. before the first xDS sync), keep
         looking for up to ``timeout`` seconds, then give up (None)."""
         deadline = time.monotonic() + timeout
@@ -220,6 +225,36 @@ class ProxyContext:
             if wl is not None or time.monotonic() >= deadline:
                 return wl
             await asyncio.sleep(0.05)
+
+    @contextlib.contextmanager
+    def tracked(self, rec: ConnectionRecord) -> Iterator[None]:
+        """Run a connection's copy phase as a live connection: tracked for metrics and policy
+        re-checks, and logged with its close reason if it is cancelled."""
+        self.tracker.add(rec)
+        try:
+            yield
+        except asyncio.CancelledError:
+            rec.log_cancelled()
+            raise
+        finally:
+            self.tracker.discard(rec)
+
+    async def proxy_tcp(
+        self,
+        rec: ConnectionRecord,
+        sock: socket.socket,
+        target: SocketAddr,
+        *,
+        spoof_source: IPAddr | None = None,
+    ) -> None:
+        """Plain TCP to ``target``, then copy both ways until both end; logs the outcome."""
+        try:
+            upstream = await self.sockets.connect(target, spoof_source=spoof_source)
+        except ProxyError as e:
+            rec.log_complete(e)
+            return
+        result = await copy_bidirectional(sock, upstream, pipes=self.pipes, counters=rec.counters)
+        rec.log_complete(reportable(result.error))
 
     def authorize(self, rec: ConnectionRecord, workload: Workload) -> None:
         """Check an inbound connection against the policies; raises AuthorizationDenied."""

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import socket
 import ssl
-import time
 from collections.abc import Callable
 
 from ztunnel.config import ILLEGAL_PORTS
@@ -25,13 +24,11 @@ from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
-from ztunnel.proxy.context import ConnectionRecord, ProxyContext
+from ztunnel.proxy.context import UNKNOWN_LOCAL_WORKLOAD, ConnectionRecord, ProxyContext
 from ztunnel.proxy.hbone_outbound import HboneSettings
 from ztunnel.state.model import NetworkAddress, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
-
-LOCAL_WORKLOAD_WAIT = 5.0
 
 
 class InboundHbone:
@@ -103,14 +100,6 @@ class InboundHbone:
         finally:
             self.connections.discard(conn)
 
-    async def _local_workload(self) -> Workload | None:
-        deadline = time.monotonic() + LOCAL_WORKLOAD_WAIT
-        while True:
-            wl = self.ctx.local_workload()
-            if wl is not None or time.monotonic() >= deadline:
-                return wl
-            await asyncio.sleep(0.05)
-
     async def _serve(
         self,
         conn: HboneConnection,
@@ -144,7 +133,7 @@ class InboundHbone:
         except ValueError:
             reject(400, f"invalid authority {ev.authority!r}")
             return
-        local = await self._local_workload()
+        local = await ctx.wait_local_workload()
         rec = ConnectionRecord(
             "inbound",
             src,
@@ -165,7 +154,7 @@ class InboundHbone:
             for_host=forwarded_host(_header(ev.headers, FORWARDED)),
         )
         if local is None:
-            reject(503, "failed to fetch information about local workload", rec)
+            reject(503, UNKNOWN_LOCAL_WORKLOAD, rec)
             return
         if target.ip != arrival and target.ip not in local.addresses:
             reject(400, f"authority IP {target.ip} does not match the destination {arrival}", rec)
@@ -178,14 +167,8 @@ class InboundHbone:
         except AuthorizationDenied as e:
             reject(401, e, rec)
             return
-        ctx.tracker.add(rec)
-        try:
+        with ctx.tracked(rec):
             await self._connect_and_bridge(conn, sid, rec, local, target, src, reject)
-        except asyncio.CancelledError:
-            rec.log_cancelled()
-            raise
-        finally:
-            ctx.tracker.discard(rec)
 
     async def _connect_and_bridge(
         self,

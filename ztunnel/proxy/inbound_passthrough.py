@@ -8,18 +8,14 @@ the client's source IP when the kernel allows) and copy.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 
 from ztunnel.config import ILLEGAL_PORTS
-from ztunnel.core.errors import AuthorizationDenied, ProxyError, SelfCallError, reportable
-from ztunnel.net.copy import CopyCounters, copy_bidirectional
+from ztunnel.core.errors import AuthorizationDenied, SelfCallError
+from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import original_dst, peer_addr
-from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
+from ztunnel.proxy.context import UNKNOWN_LOCAL_WORKLOAD, ConnectionRecord, ProxyContext, log_failed
 from ztunnel.state.model import NetworkAddress
-
-LOCAL_WORKLOAD_WAIT = 5.0  # as inbound HBONE (istio/ztunnel LocalWorkloadInformation)
-UNKNOWN_LOCAL_WORKLOAD = "failed to fetch information about local workload"
 
 
 class InboundPassthrough:
@@ -36,7 +32,7 @@ class InboundPassthrough:
         if dst.port in ILLEGAL_PORTS:
             log_failed("inbound", src, dst, SelfCallError(dst))
             return
-        local = await ctx.wait_local_workload(LOCAL_WORKLOAD_WAIT)
+        local = await ctx.wait_local_workload()
         rec = ConnectionRecord(
             "inbound",
             src,
@@ -58,19 +54,5 @@ class InboundPassthrough:
         except AuthorizationDenied as e:
             rec.log_complete(e)
             return
-        ctx.tracker.add(rec)
-        try:
-            try:
-                upstream = await ctx.sockets.connect(dst, spoof_source=src.ip)
-            except ProxyError as e:
-                rec.log_complete(e)
-                return
-            result = await copy_bidirectional(
-                sock, upstream, pipes=ctx.pipes, counters=rec.counters
-            )
-            rec.log_complete(reportable(result.error))
-        except asyncio.CancelledError:
-            rec.log_cancelled()
-            raise
-        finally:
-            ctx.tracker.discard(rec)
+        with ctx.tracked(rec):
+            await ctx.proxy_tcp(rec, sock, dst, spoof_source=src.ip)

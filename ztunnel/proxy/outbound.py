@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 
-from ztunnel.core.errors import ProxyError, reportable
-from ztunnel.net.copy import CopyCounters, copy_bidirectional
+from ztunnel.core.errors import ProxyError
+from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import original_dst, peer_addr
 from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
 from ztunnel.proxy.route import RouteKind, decide_outbound
@@ -47,25 +46,10 @@ class Outbound:
             counters=CopyCounters(),
         )
         ctx.open_metrics(rec, mtls=hbone)
-        ctx.tracker.add(rec)
-        try:
-            if hbone:
-                if ctx.hbone is None:
-                    rec.log_complete("HBONE is not available in this build")
-                    return
+        with ctx.tracked(rec):
+            if not hbone:
+                await ctx.proxy_tcp(rec, sock, route.target)
+            elif ctx.hbone is None:
+                rec.log_complete("HBONE is not available in this build")
+            else:
                 await ctx.hbone.proxy_outbound(sock, route, rec)
-                return
-            try:
-                upstream = await ctx.sockets.connect(route.target)
-            except ProxyError as e:
-                rec.log_complete(e)
-                return
-            result = await copy_bidirectional(
-                sock, upstream, pipes=ctx.pipes, counters=rec.counters
-            )
-            rec.log_complete(reportable(result.error))
-        except asyncio.CancelledError:
-            rec.log_cancelled()
-            raise
-        finally:
-            ctx.tracker.discard(rec)
