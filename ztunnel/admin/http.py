@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from urllib.parse import parse_qs
 
+from ztunnel.net.sockopt import bind_listener
+
 log = logging.getLogger("ztunnel.admin.http")
 
 MAX_REQUEST_LINE = 8 * 1024
@@ -298,23 +300,6 @@ async def write_response(
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def bind_tcp(host: str, port: int, *, backlog: int = 128) -> socket.socket:
-    """A listening, non-blocking TCP socket on ``host:port`` (SO_REUSEADDR; IPv6 only for v6)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if host != "::" else 0)
-        sock.bind((host, port))
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 class HttpServer:
     """Serves ``handler`` on already-bound listening sockets.
 
@@ -359,7 +344,7 @@ class HttpServer:
         socks: list[socket.socket] = []
         try:
             for host, port in addresses:
-                socks.append(bind_tcp(host, port))
+                socks.append(bind_listener((host, port)))
         except BaseException:
             for s in socks:
                 s.close()

@@ -78,3 +78,33 @@ def peer_addr(sock: socket.socket) -> SocketAddr:
 
 def local_addr(sock: socket.socket) -> SocketAddr:
     return SocketAddr.from_sockaddr(sock.getsockname())
+
+
+def bind_listener(
+    addr: tuple[str, int],
+    *,
+    family: int | None = None,
+    reuse_port: bool = False,
+    transparent: bool = False,
+    backlog: int = 128,
+) -> socket.socket:
+    """A non-blocking listening TCP socket. ``[::]`` is dual-stack; any other IPv6 address is
+    IPv6 only. ``family`` defaults to the address's."""
+    if family is None:
+        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if addr[0] == "::" else 1)
+        if transparent:
+            set_transparent(sock, family)
+        sock.bind(addr)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -25,35 +25,6 @@ _FD_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _EMFILE_BACKOFF = 0.1
 
 
-def bind_listener(
-    addr: tuple[str, int],
-    *,
-    family: int = socket.AF_INET6,
-    reuse_port: bool = False,
-    transparent: bool = False,
-    backlog: int = 128,
-) -> socket.socket:
-    """Create a non-blocking listening socket. ``[::]`` listeners are dual-stack."""
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        if transparent:
-            from ztunnel.net.sockopt import set_transparent
-
-            set_transparent(sock, family)
-        sock.bind(addr)
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 class Listener:
     """Accepts connections on ``sock`` and runs ``handler(conn)`` for each in a task it owns."""
 

@@ -69,10 +69,8 @@ class SocketFactory:
     def listener(
         self, addr: tuple[str, int], *, family: int, reuse_port: bool, transparent: bool
     ) -> socket.socket:
-        from ztunnel.proxy.listener import bind_listener
-
         with self._in_ns():
-            return bind_listener(
+            return sockopt.bind_listener(
                 addr, family=family, reuse_port=reuse_port, transparent=transparent
             )
 
