@@ -298,7 +298,7 @@ class App:
         stats = {
             "tasks": len(asyncio.all_tasks()),
             "fds": len(os.listdir("/proc/self/fd")),
-            "connections": self._active_connections(),
+            "connections": sum(inst.active_connections for inst in self._instances()),
         }
         if self.inpod is not None:
             stats["proxies"] = self.inpod.active
@@ -308,13 +308,6 @@ class App:
                 {f"pipes_{k}": v for k, v in dataclasses.asdict(self.pipes.stats()).items()}
             )
         return stats
-
-    def _active_connections(self) -> int:
-        if self.dedicated is not None:
-            return self.dedicated.active_connections
-        if self.inpod is not None:
-            return self.inpod.active_connections
-        return 0
 
     def request_stop(self) -> None:
         self._stopped.set()

@@ -147,10 +147,6 @@ class InPodManager:
     def pending(self) -> int:
         return sum(1 for p in self.pods.values() if p.proxy is None)
 
-    @property
-    def active_connections(self) -> int:
-        return sum(p.proxy.active_connections for p in self.pods.values() if p.proxy is not None)
-
     async def shutdown(self, deadline: float) -> int:
         """Process exit: drain every pod's proxy gracefully, in parallel. Returns connections cut."""
         pods = list(self.pods.values())

@@ -124,18 +124,20 @@ class ProxyInstance:
 
     def _listen(self, port: int) -> socket.socket:
         cfg = self.config
+        # The dual-stack IPv6 wildcard first, IPv4 alone if the pod has no IPv6. IP_TRANSPARENT
+        # is best effort unless ENABLE_ORIG_SRC makes it required (true) or off (false).
         families = [socket.AF_INET6, socket.AF_INET] if cfg.ipv6_enabled else [socket.AF_INET]
-        transparent = cfg.enable_orig_src is not False
+        transparency = {None: (True, False), True: (True,), False: (False,)}[cfg.enable_orig_src]
         last: OSError | None = None
         for family in families:
             wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
-            for transp in (transparent, False) if cfg.enable_orig_src is None else (transparent,):
+            for transparent in transparency:
                 try:
                     return self.sockets.listener(
                         (wildcard, port),
                         family=family,
                         reuse_port=cfg.inpod_port_reuse,
-                        transparent=transp,
+                        transparent=transparent,
                     )
                 except OSError as e:
                     last = OSError(e.errno, f"cannot bind [{wildcard}]:{port}: {e.strerror}")
