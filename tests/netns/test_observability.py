@@ -28,8 +28,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from prometheus_client.openmetrics.parser import (
@@ -67,7 +65,6 @@ from ztunnel.testing.proc import Record, ZtunnelProcess
 
 pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("require_root")]
 
-PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 VIP = "10.96.0.20"
 SVC_HOST = "b.default.svc.cluster.local"
@@ -421,44 +418,14 @@ class PlainZtunnel(ZtunnelProcess):
     """A ztunnel with ``LOG_FORMAT`` unset (plain text); each line parsed with
     :func:`parse_plain` into the record shape :class:`ZtunnelProcess` keeps for JSON."""
 
-    def start(self, timeout: float = 15.0) -> ZtunnelProcess:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("PROXY_", "LOCAL_XDS", "LOG_FORMAT", "RUST_LOG"))
-        }
-        env.update({"PYTHONPATH": PROJECT_ROOT, "PYTHONUNBUFFERED": "1", **self.env})
-        assert "LOG_FORMAT" not in env
-        self.proc = self.host.popen(
-            sys.executable,
-            "-m",
-            "ztunnel",
-            "proxy",
-            "ztunnel",
-            "--loop",
-            self.loop,
-            env=env,
-            stderr=subprocess.STDOUT,
-        )
-        self._reader = threading.Thread(target=self._pump, name="ztunnel-log", daemon=True)
-        self._reader.start()
-        self.wait_for(lambda r: r.get("message") == "ztunnel ready", timeout)
-        return self
+    log_env: ClassVar[dict[str, str]] = {}
 
-    def _pump(self) -> None:
-        assert self.proc is not None
-        while True:
-            try:
-                line = self.proc.wait_for_line("", timeout=3600)
-            except Exception:
-                break
-            rec = parse_plain(line) or {"message": line, "level": "raw"}
-            with self._cond:
-                self.records.append(rec)
-                self._cond.notify_all()
-        with self._cond:
-            self._eof = True
-            self._cond.notify_all()
+    def start(self, timeout: float = 15.0) -> ZtunnelProcess:
+        assert "LOG_FORMAT" not in self.env
+        return super().start(timeout)
+
+    def parse(self, line: str) -> Record:
+        return parse_plain(line) or {"message": line, "level": "raw"}
 
 
 def mark(zt: ZtunnelProcess) -> int:

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from ztunnel.testing.netns import Host, NsProcess
 
@@ -35,16 +35,23 @@ class ZtunnelProcess:
         self._eof = False
         self._reader: threading.Thread | None = None
 
+    #: Logging settings the harness passes unless the test's own env overrides them; subclasses
+    #: that read another log format change this and :meth:`parse`.
+    log_env: ClassVar[dict[str, str]] = {"LOG_FORMAT": "json", "RUST_LOG": "info,access=debug"}
+
+    def parse(self, line: str) -> Record:
+        """One output line as a record (JSON log lines; anything else is kept as ``raw``)."""
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return {"message": line, "level": "raw"}
+        return rec if isinstance(rec, dict) else {"message": line}
+
     def start(self, timeout: float = 15.0) -> ZtunnelProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PROXY_", "LOCAL_XDS"))}
-        env.update(
-            {
-                "LOG_FORMAT": "json",
-                "RUST_LOG": "info,access=debug",
-                "PYTHONPATH": _PROJECT_ROOT,
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
+        inherited = ("PROXY_", "LOCAL_XDS", "LOG_FORMAT", "RUST_LOG")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
+        env.update(self.log_env)
+        env.update({"PYTHONPATH": _PROJECT_ROOT, "PYTHONUNBUFFERED": "1"})
         env.update(self.env)
         self.proc = self.host.popen(
             sys.executable,
@@ -75,12 +82,9 @@ class ZtunnelProcess:
                 line = self.proc.wait_for_line("", timeout=3600)
             except Exception:
                 break
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = {"message": line, "level": "raw"}
+            rec = self.parse(line)
             with self._cond:
-                self.records.append(rec if isinstance(rec, dict) else {"message": line})
+                self.records.append(rec)
                 self._cond.notify_all()
         with self._cond:
             self._eof = True
