@@ -64,6 +64,20 @@ def _spki(key: CertificatePublicKeyTypes) -> bytes:
     )
 
 
+# What a CA certificate may sign: certificates and CRLs (and its own signatures).
+CA_KEY_USAGE = x509.KeyUsage(
+    digital_signature=True,
+    content_commitment=False,
+    key_encipherment=False,
+    data_encipherment=False,
+    key_agreement=False,
+    key_cert_sign=True,
+    crl_sign=True,
+    encipher_only=False,
+    decipher_only=False,
+)
+
+
 def _self_signed_root(
     key: ec.EllipticCurvePrivateKey, trust_domain: str, lifetime: dt.timedelta, now: float
 ) -> x509.Certificate:
@@ -83,20 +97,7 @@ def _self_signed_root(
         .not_valid_before(start)
         .not_valid_after(start + lifetime)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(CA_KEY_USAGE, critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )

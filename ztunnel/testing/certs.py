@@ -20,7 +20,7 @@ from cryptography.x509.oid import NameOID
 
 from ztunnel.core.identity import Identity
 from ztunnel.identity.certs import WorkloadCertificate
-from ztunnel.identity.localca import LocalCA
+from ztunnel.identity.localca import CA_KEY_USAGE, LocalCA
 
 
 def identity(sa: str, *, ns: str = "default", td: str = "cluster.local") -> Identity:
@@ -49,20 +49,7 @@ def intermediate_ca(parent: LocalCA, *, ttl: dt.timedelta | None = None) -> Loca
         .not_valid_before(start)
         .not_valid_after(start + dt.timedelta(days=365))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(CA_KEY_USAGE, critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(parent.root_key.public_key()),

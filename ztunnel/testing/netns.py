@@ -717,23 +717,7 @@ class Testbed:
             raise TestbedError("too many nodes")
         ns = self._create_ns("n", name, _NODE_SYSCTLS)
         node = Node(self, name, ns, index)
-        port = f"n{index}"
-        _run(
-            _ip_batch(self.fabric_ns),
-            (
-                f"link add {port} type veth peer name eth0 netns {ns}\n"
-                f"link set {port} master br0\n"
-                f"link set {port} up\n"
-            ),
-        )
-        lines = [
-            "link set lo up",
-            "link set eth0 up",
-            f"addr add {node.ip4}/24 dev eth0",
-            f"addr add {node.ip6}/64 dev eth0 nodad",
-        ]
-        for other in self.nodes:
-            lines += _routes_to(other)
+        lines = self._plug_into_fabric(node, f"n{index}")
         jobs: list[tuple[Sequence[str], str | None]] = [(_ip_batch(ns), "\n".join(lines) + "\n")]
         jobs += [
             (_ip_batch(h.ns), "\n".join(_routes_to(node)) + "\n")
@@ -753,11 +737,19 @@ class Testbed:
             raise TestbedError("too many external hosts")
         ns = self._create_ns("x", name, _COMMON_SYSCTLS)
         ext = External(self, name, ns, f"10.0.0.{200 + i}", f"fd00::{200 + i:x}")
-        port = f"x{i}"
+        _run(_ip_batch(ns), "\n".join(self._plug_into_fabric(ext, f"x{i}")) + "\n")
+        self.externals.append(ext)
+        return ext
+
+    # --- internals
+
+    def _plug_into_fabric(self, host: Host, port: str) -> list[str]:
+        """Join ``host`` to the underlay bridge through veth ``port``; returns the ``ip -batch``
+        lines that configure its eth0 and route to the pods of every node added so far."""
         _run(
             _ip_batch(self.fabric_ns),
             (
-                f"link add {port} type veth peer name eth0 netns {ns}\n"
+                f"link add {port} type veth peer name eth0 netns {host.ns}\n"
                 f"link set {port} master br0\n"
                 f"link set {port} up\n"
             ),
@@ -765,16 +757,12 @@ class Testbed:
         lines = [
             "link set lo up",
             "link set eth0 up",
-            f"addr add {ext.ip4}/24 dev eth0",
-            f"addr add {ext.ip6}/64 dev eth0 nodad",
+            f"addr add {host.ip4}/24 dev eth0",
+            f"addr add {host.ip6}/64 dev eth0 nodad",
         ]
         for node in self.nodes:
             lines += _routes_to(node)
-        _run(_ip_batch(ns), "\n".join(lines) + "\n")
-        self.externals.append(ext)
-        return ext
-
-    # --- internals
+        return lines
 
     def _check_open(self) -> None:
         if self._resources.closed:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ztunnel.inpod.protocol import WorkloadInfo
 from ztunnel.testing.apps import connect_from, recv_line, start_app
-from ztunnel.testing.netns import Testbed
+from ztunnel.testing.netns import Host, Testbed
 from ztunnel.testing.nodeagent import FakeNodeAgent
 from ztunnel.testing.proc import Record, ZtunnelProcess
 
@@ -33,9 +33,9 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _exchange(label: str, src: object, ip: str, port: int) -> None:
+def _exchange(label: str, src: Host, ip: str, port: int) -> None:
     t = time.monotonic()
-    with connect_from(src, ip, port, timeout=10) as s:  # type: ignore[arg-type]
+    with connect_from(src, ip, port, timeout=10) as s:
         peer = recv_line(s).split()
         s.sendall(b"hello from the sandbox\n")
         reply = recv_line(s)
