@@ -663,8 +663,12 @@ class ConnectionMetrics:
     __slots__ = ("_closed", "_recv", "_recv_cell", "_sent", "_sent_cell", "labels", "metrics")
 
     def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
+        opened = metrics.connections_opened.labels(*labels)
+        opened.value += 1
         self.metrics = metrics
-        self.labels = labels
+        # The series' own key, not the caller's tuple: one label tuple (and one copy of each
+        # principal string) per label set, however many connections share it.
+        self.labels = labels = opened.key
         self._closed = False
         self._sent = 0
         self._recv = 0
@@ -676,7 +680,6 @@ class ConnectionMetrics:
             self._sent_cell, self._recv_cell = request, response
         else:
             self._sent_cell, self._recv_cell = response, request
-        metrics.connections_opened.labels(*labels).value += 1
 
     def flush(self, bytes_sent: int, bytes_recv: int) -> None:
         """Report running totals (local pod's perspective); only the increase is counted."""

@@ -7,12 +7,12 @@ In dedicated mode there is one instance for the process; in shared (in-pod) mode
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
 from ztunnel.config import Config
@@ -27,6 +27,7 @@ from ztunnel.state.model import Service, Workload
 from ztunnel.state.store import State
 
 if TYPE_CHECKING:
+    from ztunnel.hbone.transport import HboneConnection
     from ztunnel.proxy.route import Route
 
 access_log = logging.getLogger("access")
@@ -40,14 +41,22 @@ UNKNOWN_LOCAL_WORKLOAD = "failed to fetch information about local workload"
 
 
 class HboneOutbound(Protocol):
-    async def proxy_outbound(
-        self, sock: socket.socket, route: Route, rec: ConnectionRecord
-    ) -> None: ...
+    """Outbound HBONE (``proxy/hbone_outbound.HboneConnector``): CONNECT over a pooled
+    connection; the caller bridges the stream, then gives it back."""
+
+    async def open_stream(
+        self, route: Route, rec: ConnectionRecord
+    ) -> tuple[HboneConnection, int] | None: ...
+
+    def stream_done(self, conn: HboneConnection) -> None: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ConnectionRecord:
-    """One proxied connection: its access-log fields, live byte counters and metrics handle."""
+    """One proxied connection: its access-log fields, live byte counters and metrics handle.
+
+    Slotted: one lives as long as its connection, so it is counted in the per-connection memory.
+    """
 
     direction: str  # "outbound" | "inbound"
     src: SocketAddr
@@ -176,6 +185,32 @@ class ConnectionTracker:
         return closed
 
 
+class _Tracked:
+    """The scope of :meth:`ProxyContext.tracked`. A plain class, not ``contextlib.contextmanager``:
+    it lives as long as the connection, and a generator-based one costs ~400 bytes more."""
+
+    __slots__ = ("rec", "tracker")
+
+    def __init__(self, tracker: ConnectionTracker, rec: ConnectionRecord) -> None:
+        self.tracker = tracker
+        self.rec = rec
+
+    def __enter__(self) -> None:
+        self.tracker.add(self.rec)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+                self.rec.log_cancelled()
+        finally:
+            self.tracker.discard(self.rec)
+
+
 @dataclass
 class ProxyContext:
     config: Config
@@ -226,18 +261,10 @@ class ProxyContext:
                 return wl
             await asyncio.sleep(0.05)
 
-    @contextlib.contextmanager
-    def tracked(self, rec: ConnectionRecord) -> Iterator[None]:
+    def tracked(self, rec: ConnectionRecord) -> _Tracked:
         """Run a connection's copy phase as a live connection: tracked for metrics and policy
-        re-checks, and logged with its close reason if it is cancelled."""
-        self.tracker.add(rec)
-        try:
-            yield
-        except asyncio.CancelledError:
-            rec.log_cancelled()
-            raise
-        finally:
-            self.tracker.discard(rec)
+        re-checks, and logged with its close reason if it is cancelled (``with ctx.tracked(rec):``)."""
+        return _Tracked(self.tracker, rec)
 
     async def proxy_tcp(
         self,

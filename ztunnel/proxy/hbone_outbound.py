@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import ssl
 from dataclasses import dataclass
 
@@ -15,7 +14,6 @@ from ztunnel.core.errors import (
     ResponseFlag,
     TlsFailure,
     UpstreamConnectError,
-    reportable,
 )
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
@@ -113,36 +111,44 @@ class HboneConnector:
             idle_timeout=config.pool_unused_release_timeout.total_seconds(),
         )
 
-    async def proxy_outbound(
-        self, sock: socket.socket, route: Route, rec: ConnectionRecord
-    ) -> None:
+    async def open_stream(
+        self, route: Route, rec: ConnectionRecord
+    ) -> tuple[HboneConnection, int] | None:
+        """CONNECT to ``route`` over a pooled connection: the connection and the stream id once
+        the peer answered 200, or None when that failed (logged as the connection's outcome).
+
+        On success the caller bridges the stream (``conn.bridge``: in its own frame, so that no
+        extra coroutine frame stays alive for the whole connection), logs the outcome, and
+        calls :meth:`stream_done` in any case."""
         source = rec.src_workload
         if source is None:
             rec.log_complete("unknown source workload: cannot pick a certificate for HBONE")
-            return
+            return None
         assert route.authority is not None
         src_id: Identity = source.identity
         rec.src_identity = src_id
-        key = WorkloadKey(src_id, route.expected_identities, rec.src.ip, route.target)
-        headers = request_headers(
-            source,
-            rec.src,
-            cluster_id=self.config.cluster_id,
-            service_hostname=route.destination_service.hostname
-            if route.destination_service
-            else None,
-        )
         try:
-            conn = await self.pool.checkout(key)
+            conn = await self.pool.checkout(
+                WorkloadKey(src_id, route.expected_identities, rec.src.ip, route.target)
+            )
         except (ProxyError, CertificateError) as e:
             rec.log_complete(e)
-            return
+            return None
         try:
+            headers = request_headers(
+                source,
+                rec.src,
+                cluster_id=self.config.cluster_id,
+                service_hostname=route.destination_service.hostname
+                if route.destination_service
+                else None,
+            )
             try:
                 sid, resp = await conn.open_stream(str(route.authority), headers, reserved=True)
             except (HboneError, h2.ProtocolError) as e:
                 rec.log_complete(H2Failure(f"CONNECT to {route.authority} failed: {e}"))
-                return
+                self.pool.stream_done(conn)
+                return None
             rec.dst_identity = _peer(conn)
             if resp.status != 200:
                 rec.log_complete(
@@ -152,13 +158,16 @@ class HboneConnector:
                 if conn.h2.stream_is_open(sid):
                     conn.h2.reset_stream(sid, h2.ErrorCode.CANCEL)
                     conn.flush()
-                return
-            # Cancellation (drain, policy, deleted pod) is logged by the caller.
-            bridge = await conn.bridge(sid, sock, rec.counters)
-            rec.bytes_sent, rec.bytes_recv = bridge.tcp_to_h2, bridge.h2_to_tcp
-            rec.log_complete(reportable(bridge.error))
-        finally:
+                self.pool.stream_done(conn)
+                return None
+        except BaseException:
             self.pool.stream_done(conn)
+            raise
+        return conn, sid
+
+    def stream_done(self, conn: HboneConnection) -> None:
+        """A stream from :meth:`open_stream` is over: give its slot back to the pool."""
+        self.pool.stream_done(conn)
 
 
 def _peer(conn: HboneConnection) -> Identity | None:

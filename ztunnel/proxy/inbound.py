@@ -8,10 +8,10 @@ bytes. Error responses are headers-only with END_STREAM.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
 import ssl
-from collections.abc import Callable
 
 from ztunnel.config import ILLEGAL_PORTS
 from ztunnel.core.addr import IPAddr, SocketAddr
@@ -26,7 +26,7 @@ from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
 from ztunnel.proxy.context import UNKNOWN_LOCAL_WORKLOAD, ConnectionRecord, ProxyContext
 from ztunnel.proxy.hbone_outbound import HboneSettings
-from ztunnel.state.model import NetworkAddress, Workload
+from ztunnel.state.model import NetworkAddress
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
@@ -67,13 +67,16 @@ class InboundHbone:
             log.warning("inbound HBONE from %s: TLS handshake failed: %s", src, e)
             return
         tasks: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
+        # Shared by the connection's stream tasks and their done callbacks (see Listener).
+        context = contextvars.copy_context()
 
         def on_request(conn: HboneConnection, ev: h2.RequestReceived) -> None:
-            task = asyncio.get_running_loop().create_task(
-                self._serve(conn, ev, src, arrival.ip, peer_id)
+            task = loop.create_task(
+                self._serve(conn, ev, src, arrival.ip, peer_id), context=context
             )
             tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            task.add_done_callback(tasks.discard, context=context)
 
         h2c = h2.H2Connection(
             client=False,
@@ -108,31 +111,23 @@ class InboundHbone:
         arrival: IPAddr,
         peer_id: Identity,
     ) -> None:
+        # This frame lives as long as the stream: it keeps no closure and drops the request
+        # event (its header list is most of its size) once the fields it needs are read.
         ctx = self.ctx
         sid = ev.stream_id
-
-        def reject(
-            status: int, why: str | BaseException, rec: ConnectionRecord | None = None
-        ) -> None:
-            conn.respond(sid, status, [], end_stream=True)
-            if rec is not None:
-                rec.log_complete(why)
-            else:
-                log.warning(
-                    "inbound HBONE request rejected",
-                    extra={"fields": {"src.addr": str(src), "status": status, "error": str(why)}},
-                )
-
         bad = h2.connect_request_error(ev)
         if bad is not None:
-            reject(400, bad)
+            _reject(conn, sid, src, 400, bad)
             return
         assert ev.authority is not None
         try:
             target = SocketAddr.parse(ev.authority)
         except ValueError:
-            reject(400, f"invalid authority {ev.authority!r}")
+            _reject(conn, sid, src, 400, f"invalid authority {ev.authority!r}")
             return
+        bag = parse_baggage(_header(ev.headers, BAGGAGE))
+        for_host = forwarded_host(_header(ev.headers, FORWARDED))
+        del ev
         local = await ctx.wait_local_workload()
         rec = ConnectionRecord(
             "inbound",
@@ -147,53 +142,66 @@ class InboundHbone:
             dst_identity=ctx.local_identity(),
             counters=CopyCounters(),
         )
-        ctx.open_metrics(
-            rec,
-            mtls=True,
-            baggage=parse_baggage(_header(ev.headers, BAGGAGE)),
-            for_host=forwarded_host(_header(ev.headers, FORWARDED)),
-        )
+        ctx.open_metrics(rec, mtls=True, baggage=bag, for_host=for_host)
+        del bag, for_host
         if local is None:
-            reject(503, UNKNOWN_LOCAL_WORKLOAD, rec)
+            _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, rec)
             return
         if target.ip != arrival and target.ip not in local.addresses:
-            reject(400, f"authority IP {target.ip} does not match the destination {arrival}", rec)
+            _reject(
+                conn,
+                sid,
+                src,
+                400,
+                f"authority IP {target.ip} does not match the destination {arrival}",
+                rec,
+            )
             return
         if target.port in ILLEGAL_PORTS:
-            reject(400, f"call to ztunnel's own port refused: {target}", rec)
+            _reject(conn, sid, src, 400, f"call to ztunnel's own port refused: {target}", rec)
             return
         try:
             ctx.authorize(rec, local)
         except AuthorizationDenied as e:
-            reject(401, e, rec)
+            _reject(conn, sid, src, 401, e, rec)
             return
         with ctx.tracked(rec):
-            await self._connect_and_bridge(conn, sid, rec, local, target, src, reject)
+            try:
+                upstream = await ctx.sockets.connect(target, spoof_source=src.ip)
+            except ProxyError as e:
+                _reject(conn, sid, src, 503, e, rec)
+                return
+            headers: list[tuple[str, str]] = []
+            if ctx.config.enable_response_baggage and (
+                response_baggage := baggage(local, ctx.config.cluster_id)
+            ):
+                headers.append((BAGGAGE, response_baggage))
+            conn.respond(sid, 200, headers, end_stream=False)
+            del headers
+            bridge = await conn.bridge(sid, upstream, rec.counters)
+            # Inbound: "sent" is what the local app sent back.
+            rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
+            rec.log_complete(reportable(bridge.error))
 
-    async def _connect_and_bridge(
-        self,
-        conn: HboneConnection,
-        sid: int,
-        rec: ConnectionRecord,
-        local: Workload,
-        target: SocketAddr,
-        src: SocketAddr,
-        reject: Callable[[int, str | BaseException, ConnectionRecord | None], None],
-    ) -> None:
-        ctx = self.ctx
-        try:
-            upstream = await ctx.sockets.connect(target, spoof_source=src.ip)
-        except ProxyError as e:
-            reject(503, e, rec)
-            return
-        headers: list[tuple[str, str]] = []
-        if ctx.config.enable_response_baggage and (bag := baggage(local, ctx.config.cluster_id)):
-            headers.append((BAGGAGE, bag))
-        conn.respond(sid, 200, headers, end_stream=False)
-        bridge = await conn.bridge(sid, upstream, rec.counters)
-        # Inbound: "sent" is what the local app sent back.
-        rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
-        rec.log_complete(reportable(bridge.error))
+
+def _reject(
+    conn: HboneConnection,
+    sid: int,
+    src: SocketAddr,
+    status: int,
+    why: str | BaseException,
+    rec: ConnectionRecord | None = None,
+) -> None:
+    """Refuse the stream with a headers-only response; log it (as the connection's outcome
+    once it has a record)."""
+    conn.respond(sid, status, [], end_stream=True)
+    if rec is not None:
+        rec.log_complete(why)
+    else:
+        log.warning(
+            "inbound HBONE request rejected",
+            extra={"fields": {"src.addr": str(src), "status": status, "error": str(why)}},
+        )
 
 
 def _header(headers: h2.Headers, name: str) -> str | None:

@@ -53,6 +53,7 @@ class ProxyInstance:
         self.info = info
         self.name = name or f"{info.namespace}/{info.name}"
         self._extra_ips = extra_local_ips
+        self._identity: Identity | None = None
         self.sockets = SocketFactory(
             mark=config.packet_mark,
             netns_fd=netns_fd,
@@ -88,7 +89,13 @@ class ProxyInstance:
     def identity(self) -> Identity:
         wl = self.workload()
         trust_domain = wl.trust_domain if wl is not None else self.config.trust_domain
-        return Identity(trust_domain, self.info.namespace, self.info.service_account)
+        ident = self._identity
+        if ident is None or ident.trust_domain != trust_domain:
+            # One object while the trust domain stays: every inbound connection keeps it.
+            ident = self._identity = Identity(
+                trust_domain, self.info.namespace, self.info.service_account
+            )
+        return ident
 
     def local_ips(self) -> frozenset[IPAddr]:
         wl = self.workload()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from ztunnel.core.errors import ProxyError
+from ztunnel.core.errors import ProxyError, reportable
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import original_dst, peer_addr
 from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
@@ -51,5 +51,14 @@ class Outbound:
                 await ctx.proxy_tcp(rec, sock, route.target)
             elif ctx.hbone is None:
                 rec.log_complete("HBONE is not available in this build")
-            else:
-                await ctx.hbone.proxy_outbound(sock, route, rec)
+            elif (opened := await ctx.hbone.open_stream(route, rec)) is not None:
+                # Bridged from this frame: one coroutine frame fewer for the connection's life.
+                conn, sid = opened
+                del opened, route
+                try:
+                    # Cancellation (drain, policy, deleted pod) is logged by ctx.tracked.
+                    bridge = await conn.bridge(sid, sock, rec.counters)
+                    rec.bytes_sent, rec.bytes_recv = bridge.tcp_to_h2, bridge.h2_to_tcp
+                    rec.log_complete(reportable(bridge.error))
+                finally:
+                    ctx.hbone.stream_done(conn)
