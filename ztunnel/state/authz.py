@@ -92,6 +92,17 @@ def _ip_key(ip: IPAddr) -> int:
     return int(ip) | (_TAG4 if ip.version == 4 else _TAG6)
 
 
+# Every live inbound connection keeps its Connection (for policy re-checks): the derived values
+# are shared between connections from the same peer instead of rebuilt (~300 bytes) for each.
+_cached_ip_key = functools.lru_cache(maxsize=4096)(_ip_key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _identity_parts(ident: Identity) -> tuple[str, str, tuple[str, str]]:
+    """``principal``, ``src_namespace`` and ``src_sa`` of a Connection from ``ident``."""
+    return ident.principal, ident.namespace, (ident.namespace, ident.service_account)
+
+
 def _net_key(net: IPNet) -> tuple[int, int]:
     tag = _TAG4 if net.version == 4 else _TAG6
     return int(net.network_address) | tag, int(net.netmask) | tag
@@ -128,16 +139,17 @@ class Connection:
         set_ = object.__setattr__
         set_(self, "src_ip", src)
         set_(self, "dst_ip", dst)
-        set_(self, "src_key", _ip_key(src))
-        set_(self, "dst_key", _ip_key(dst))
+        set_(self, "src_key", _cached_ip_key(src))
+        set_(self, "dst_key", _cached_ip_key(dst))
         if ident is None:
             set_(self, "principal", None)
             set_(self, "src_namespace", "")
             set_(self, "src_sa", None)
         else:
-            set_(self, "principal", ident.principal)
-            set_(self, "src_namespace", ident.namespace)
-            set_(self, "src_sa", (ident.namespace, ident.service_account))
+            principal, namespace, sa = _identity_parts(ident)
+            set_(self, "principal", principal)
+            set_(self, "src_namespace", namespace)
+            set_(self, "src_sa", sa)
 
     def __str__(self) -> str:
         ident = str(self.src_identity) if self.src_identity is not None else "None"
