@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import ssl
 import time
@@ -38,6 +39,10 @@ _TCP_READ = 256 * 1024
 # Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
 # read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
 # it without telling us, so bytes or an error left unread would strand the connection for good.
+# A short read (fewer bytes than asked for) drained the socket, so instead of a second recv that
+# fails with EAGAIN (a syscall plus an OSError built with a locale-decoded strerror: most of the
+# Python cost of a small message) the reader checks SO_ERROR, which is what EPOLLERR reports on a
+# TCP socket; anything that arrives later raises a fresh level-triggered event.
 _READ_BATCH = 16
 _HANDSHAKE_TIMEOUT = 10.0
 KEEPALIVE_INTERVAL = 10.0
@@ -50,6 +55,12 @@ class HboneError(Exception):
 
 class ConnectionLost(HboneError):
     pass
+
+
+def _socket_error(sock: socket.socket) -> OSError | None:
+    """The socket's pending error (as recv would raise it), consuming it; None if there is none."""
+    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    return OSError(err, os.strerror(err)) if err else None  # OSError picks the errno subclass
 
 
 async def tls_handshake(
@@ -188,22 +199,28 @@ class StreamBridge:
             self._reading = False
 
     def _on_tcp_readable(self) -> None:
-        # Read until EAGAIN, EOF, an error, or a pause for flow control / back-pressure (which
-        # removes the reader, so a later resume registers afresh): see _READ_BATCH.
+        # Read until EAGAIN, a short read, EOF, an error, or a pause for flow control /
+        # back-pressure (which removes the reader, so a later resume registers afresh): see
+        # _READ_BATCH.
         conn = self.conn
+        h2c = conn.h2
+        sid = self.stream_id
+        sock = self.sock
         for _ in range(_READ_BATCH):
-            if self.done.done() or not self._reading:
+            if not self._reading:  # (finishing stops reading)
                 return
-            if conn.write_blocked:
+            if conn._out_size >= _HIGH_WATER:
                 self._pause_reading()
                 conn._blocked_bridges.add(self)
                 return
-            window = min(conn.h2.stream_send_window(self.stream_id), conn.h2.connection_send_window)
-            if window <= 0:
+            want = h2c.stream_send_window(sid)  # (stream and connection windows)
+            if want <= 0:
                 self._pause_reading()  # resumed on WINDOW_UPDATE
                 return
+            if want > _TCP_READ:
+                want = _TCP_READ
             try:
-                data = self.sock.recv(min(window, _TCP_READ))
+                data = sock.recv(want)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -213,23 +230,28 @@ class StreamBridge:
                 self._pause_reading()
                 self._tcp_eof = True
                 with contextlib.suppress(h2.ProtocolError):
-                    conn.h2.end_stream(self.stream_id)
+                    h2c.end_stream(sid)
                 conn.flush()
                 self._check_done()
                 return
             try:
-                sent = conn.h2.send_data(self.stream_id, data)
+                sent = h2c.send_data(sid, data)
             except h2.ProtocolError as e:
                 self.abort(e)
                 return
             self.tcp_to_h2 += sent
             self.counters.down_to_up += sent
-            if sent < len(data):
+            n = len(data)
+            if sent < n:
                 self._unsent = memoryview(data)[sent:]
                 self._pause_reading()
                 conn.flush()
                 return
             conn.flush()
+            if n < want:  # drained: see _READ_BATCH
+                if (err := _socket_error(sock)) is not None:
+                    self.abort(err)
+                return
         conn.loop.call_soon(self._on_tcp_readable)  # more to read: let others run first
 
     def on_window(self) -> None:
@@ -371,7 +393,6 @@ class HboneConnection:
         self.error: BaseException | None = None
         self.closed: asyncio.Future[BaseException | None] = self.loop.create_future()
         self._closing = False  # _teardown has started (it may re-enter via flush -> _fail)
-        self.last_active = time.monotonic()
         self._ping_sent: float | None = None
         self._keepalive: asyncio.TimerHandle | None = None
         self.goaway = False
@@ -465,10 +486,11 @@ class HboneConnection:
 
     def _read_and_dispatch(self) -> bool:
         """One read; True if the socket may have more (and the connection is still up)."""
-        if self._closing or self.closed.done():
+        if self._closing:
             return False
+        sock = self.sock
         try:
-            n = self.sock.recv_into(self._recv_buf)
+            n = sock.recv_into(self._recv_buf)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:
@@ -477,19 +499,28 @@ class HboneConnection:
         if n == 0:
             self._fail(ConnectionLost("peer closed the connection"))
             return False
-        self.last_active = time.monotonic()
-        self.inbio.write(self._recv_view[:n])
+        inbio = self.inbio
+        inbio.write(self._recv_view[:n])
+        sslobj = self.sslobj
+        read = sslobj.read
+        pending = sslobj.pending
         plain = self._plain_view
-        size = len(plain)
-        while True:
+        size = _PLAIN_SIZE
+        # Decrypt while a whole record may be there: input left in the BIO or plaintext left in
+        # OpenSSL. Once complete records are consumed the BIO is empty (a partial record moves
+        # into OpenSSL's buffer on the read that raises SSLWantReadError), so a small message
+        # costs no exception.
+        while inbio.pending or pending():
             got = 0
             try:
                 while got < size:
                     # With a buffer, read() returns a count (typeshed says bytes).
-                    k: int = self.sslobj.read(size - got, plain[got:])  # type: ignore[assignment]
+                    k: int = read(size - got, plain[got:] if got else plain)  # type: ignore[assignment]
                     if k == 0:
                         break
                     got += k
+                    if not inbio.pending and not pending():
+                        break
             except ssl.SSLWantReadError:
                 pass
             except ssl.SSLZeroReturnError:
@@ -504,7 +535,13 @@ class HboneConnection:
             if got < size or self.closed.done():
                 break
         self.flush()
-        return not self.closed.done()
+        if self.closed.done():
+            return False
+        if n < _RECV_SIZE:  # drained: see _READ_BATCH
+            if (err := _socket_error(sock)) is not None:
+                self._fail(err)
+            return False
+        return True
 
     def _feed(self, data: memoryview) -> None:
         if self.closed.done():
@@ -520,9 +557,7 @@ class HboneConnection:
 
     def _dispatch(self, events: list[h2.Event]) -> None:
         for ev in events:
-            t = type(ev)
-            if t is h2.DataReceived:
-                assert isinstance(ev, h2.DataReceived)
+            if isinstance(ev, h2.DataReceived):  # the common case first
                 b = self._bridges.get(ev.stream_id)
                 if b is not None:
                     b.on_data(ev.data, ev.flow_controlled_length)
@@ -533,32 +568,27 @@ class HboneConnection:
                     )
                 else:
                     self.h2.acknowledge_received_data(ev.stream_id, ev.flow_controlled_length)
-            elif t is h2.WindowUpdated:
-                assert isinstance(ev, h2.WindowUpdated)
+            elif isinstance(ev, h2.WindowUpdated):
                 if ev.stream_id == 0:
                     for b in list(self._bridges.values()):
                         b.on_window()
                 elif (b := self._bridges.get(ev.stream_id)) is not None:
                     b.on_window()
-            elif t is h2.StreamEnded:
-                assert isinstance(ev, h2.StreamEnded)
+            elif isinstance(ev, h2.StreamEnded):
                 if (b := self._bridges.get(ev.stream_id)) is not None:
                     b.on_end_stream()
                 elif (early := self._early.get(ev.stream_id)) is not None:
                     early.append(ev)
-            elif t is h2.ResponseReceived:
-                assert isinstance(ev, h2.ResponseReceived)
+            elif isinstance(ev, h2.ResponseReceived):
                 fut = self._responses.pop(ev.stream_id, None)
                 if fut is not None and not fut.done():
                     self._early[ev.stream_id] = []
                     fut.set_result(ev)
-            elif t is h2.RequestReceived:
-                assert isinstance(ev, h2.RequestReceived)
+            elif isinstance(ev, h2.RequestReceived):
                 if self.on_request is not None:
                     self._early[ev.stream_id] = []
                     self.on_request(self, ev)
-            elif t is h2.StreamReset:
-                assert isinstance(ev, h2.StreamReset)
+            elif isinstance(ev, h2.StreamReset):
                 fut = self._responses.pop(ev.stream_id, None)
                 if fut is not None and not fut.done():
                     fut.set_exception(
@@ -568,13 +598,12 @@ class HboneConnection:
                     b.on_reset(ev.error_code)
                 elif (early := self._early.get(ev.stream_id)) is not None:
                     early.append(ev)
-            elif t is h2.PingAcked:
+            elif isinstance(ev, h2.PingAcked):
                 self._ping_sent = None
-            elif t is h2.GoAwayReceived:
+            elif isinstance(ev, h2.GoAwayReceived):
                 self.goaway = True
                 self.loop.call_soon(self.close_if_idle)
-            elif t is h2.ConnectionTerminated:
-                assert isinstance(ev, h2.ConnectionTerminated)
+            elif isinstance(ev, h2.ConnectionTerminated):
                 self._fail(HboneError(f"HTTP/2 connection terminated: {ev.reason}"))
 
     # --- keepalive and teardown ------------------------------------------------------------

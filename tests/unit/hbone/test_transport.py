@@ -1,0 +1,285 @@
+"""HboneConnection + StreamBridge in one process: mTLS over loopback TCP, streams bridged to
+loopback sockets. Integrity, request/response, half-close both ways, resets, TLS record framing
+across reads, connection loss."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import socket
+import ssl
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from ztunnel.core.identity import Identity
+from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone.transport import (
+    ConnectionLost,
+    HboneConnection,
+    StreamBridge,
+    tls_handshake,
+)
+from ztunnel.identity.localca import LocalCA
+from ztunnel.identity.tls import client_context, server_context
+
+pytestmark = pytest.mark.timeout(30)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    ca = LocalCA.ephemeral()
+    server = ca.issue(Identity("cluster.local", "default", "server"))
+    client = ca.issue(Identity("cluster.local", "default", "client"))
+    return client_context(client), server_context(server)
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected non-blocking loopback TCP sockets (connector, acceptor)."""
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        a = socket.create_connection(lst.getsockname())
+        b, _ = lst.accept()
+    for s in (a, b):
+        s.setblocking(False)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return a, b
+
+
+@dataclass
+class Tunnel:
+    """app <-> [client bridge] <-> HBONE <-> [server bridge] <-> upstream."""
+
+    app: socket.socket
+    upstream: socket.socket
+    client_bridge: asyncio.Task[StreamBridge]
+    server_bridge: asyncio.Future[StreamBridge]
+
+
+@dataclass
+class Pair:
+    client: HboneConnection
+    server: HboneConnection
+    raw_client: socket.socket
+    raw_server: socket.socket
+    pending: list[asyncio.Future[tuple[int, socket.socket]]] = field(default_factory=list)
+    tasks: set[asyncio.Task[StreamBridge]] = field(default_factory=set)
+
+    async def tunnel(self) -> Tunnel:
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[tuple[int, socket.socket]] = loop.create_future()
+        self.pending.append(accepted)
+        app, proxy_in = tcp_pair()
+        sid, resp = await self.client.open_stream("10.0.0.2:8080", [("forwarded", "for=x")])
+        assert resp.status == 200
+        client_bridge = loop.create_task(self.client.bridge(sid, proxy_in))
+        _, upstream = await accepted
+        server_bridge = self._server_bridges.pop(sid)
+        return Tunnel(app, upstream, client_bridge, server_bridge)
+
+    _server_bridges: dict[int, asyncio.Task[StreamBridge]] = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def hbone_pair(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> AsyncIterator[Pair]:
+    loop = asyncio.get_running_loop()
+    tc, ts = tcp_pair()
+    (cs, ci, co), (ss, si, so) = await asyncio.gather(
+        tls_handshake(tc, contexts[0], server_side=False),
+        tls_handshake(ts, contexts[1], server_side=True),
+    )
+    pair: Pair
+
+    def on_request(conn: HboneConnection, ev: h2.RequestReceived) -> None:
+        assert ev.method == "CONNECT" and ev.authority == "10.0.0.2:8080"
+        assert ("forwarded", "for=x") in ev.headers
+        proxy_out, upstream = tcp_pair()
+        conn.respond(ev.stream_id, 200, [], end_stream=False)
+        task = loop.create_task(conn.bridge(ev.stream_id, proxy_out))
+        pair._server_bridges[ev.stream_id] = task
+        pair.pending.pop(0).set_result((ev.stream_id, upstream))
+
+    server = HboneConnection(
+        ts, ss, si, so, h2.H2Connection(False), on_request=on_request, keepalive=False
+    )
+    client = HboneConnection(tc, cs, ci, co, h2.H2Connection(True), keepalive=False)
+    pair = Pair(client, server, tc, ts)
+    try:
+        yield pair
+    finally:
+        client.close()
+        server.close()
+
+
+async def recv_exact(sock: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    while len(buf) < n:
+        d = await loop.sock_recv(sock, n - len(buf))
+        if not d:
+            raise EOFError(f"EOF after {len(buf)} of {n} bytes")
+        buf += d
+    return bytes(buf)
+
+
+async def recv_all(sock: socket.socket) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    while d := await loop.sock_recv(sock, 1 << 16):
+        buf += d
+    return bytes(buf)
+
+
+def payload(n: int, seed: int) -> bytes:
+    out = bytearray()
+    i = 0
+    while len(out) < n:
+        out += hashlib.sha256(b"%d:%d" % (seed, i)).digest()
+        i += 1
+    return bytes(out[:n])
+
+
+@pytest.mark.both_loops
+async def test_request_response_many_small_messages(contexts) -> None:
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        for i in range(300):
+            msg = payload(1024 + i, i)
+            t.app.send(msg)
+            got = await recv_exact(t.upstream, len(msg))
+            assert got == msg
+            t.upstream.send(got[::-1])
+            assert await recv_exact(t.app, len(msg)) == msg[::-1]
+        t.app.shutdown(socket.SHUT_WR)
+        assert await recv_all(t.upstream) == b""
+        t.upstream.shutdown(socket.SHUT_WR)
+        assert await recv_all(t.app) == b""
+        cb, sb = await t.client_bridge, await t.server_bridge
+        assert cb.error is None and sb.error is None
+        total = sum(1024 + i for i in range(300))
+        assert cb.tcp_to_h2 == cb.h2_to_tcp == sb.tcp_to_h2 == sb.h2_to_tcp == total
+        t.app.close()
+        t.upstream.close()
+        # The connection carries on after the stream.
+        assert not p.client.closed.done() and p.client.active_streams == 0
+
+
+@pytest.mark.both_loops
+async def test_bulk_both_ways_crosses_records_and_reads(contexts) -> None:
+    """Several MiB each way at once: TLS records split across socket reads, many records per
+    read, DATA frames across decrypt buffers, flow control (4 MiB stream window)."""
+    loop = asyncio.get_running_loop()
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        up_data, down_data = payload(9 * MiB + 123, 1), payload(7 * MiB + 7, 2)
+
+        async def send(sock: socket.socket, data: bytes) -> None:
+            await loop.sock_sendall(sock, data)
+            sock.shutdown(socket.SHUT_WR)
+
+        results = await asyncio.gather(
+            send(t.app, up_data),
+            send(t.upstream, down_data),
+            recv_all(t.upstream),
+            recv_all(t.app),
+        )
+        assert results[2] == up_data
+        assert results[3] == down_data
+        cb, sb = await t.client_bridge, await t.server_bridge
+        assert cb.error is None and sb.error is None
+        t.app.close()
+        t.upstream.close()
+
+
+@pytest.mark.both_loops
+async def test_half_close_each_way(contexts) -> None:
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        # client FIN first: the server side keeps sending afterwards
+        t.app.send(b"request")
+        t.app.shutdown(socket.SHUT_WR)
+        assert await recv_all(t.upstream) == b"request"
+        for _ in range(3):
+            t.upstream.send(b"late reply ")
+        await asyncio.sleep(0.05)
+        t.upstream.shutdown(socket.SHUT_WR)
+        assert await recv_all(t.app) == b"late reply " * 3
+        assert (await t.client_bridge).error is None
+        assert (await t.server_bridge).error is None
+        t.app.close()
+        t.upstream.close()
+
+        # server FIN first
+        t = await p.tunnel()
+        t.upstream.send(b"banner")
+        t.upstream.shutdown(socket.SHUT_WR)
+        assert await recv_all(t.app) == b"banner"
+        t.app.send(b"after the server's FIN")
+        t.app.shutdown(socket.SHUT_WR)
+        assert await recv_all(t.upstream) == b"after the server's FIN"
+        assert (await t.client_bridge).error is None
+        assert (await t.server_bridge).error is None
+        t.app.close()
+        t.upstream.close()
+
+
+def hard_close(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+@pytest.mark.both_loops
+async def test_upstream_reset_after_data(contexts) -> None:
+    """Data then RST from the upstream app: the data is delivered and the reset is not lost (the
+    reader sees EPOLLERR with data queued: it must consume the error too, not just the data).
+    The stream is reset with CANCEL, which HBONE treats as a clean end towards the app."""
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        t.app.send(b"ping")
+        assert await recv_exact(t.upstream, 4) == b"ping"
+        t.upstream.send(b"partial answer")
+        hard_close(t.upstream)
+        assert await recv_all(t.app) == b"partial answer"
+        sb = await t.server_bridge
+        assert isinstance(sb.error, ConnectionResetError)
+        assert sb.tcp_to_h2 == len(b"partial answer")
+        cb = await t.client_bridge
+        assert cb.error is None and cb.h2_to_tcp == len(b"partial answer")
+        t.app.close()
+        assert not p.client.closed.done()
+
+
+@pytest.mark.both_loops
+async def test_app_reset_ends_the_stream(contexts) -> None:
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        t.app.send(b"hello")
+        assert await recv_exact(t.upstream, 5) == b"hello"
+        hard_close(t.app)
+        assert await recv_all(t.upstream) == b""  # CANCEL: a clean end on the far side
+        assert isinstance((await t.client_bridge).error, ConnectionResetError)
+        assert (await t.server_bridge).error is None
+        t.upstream.close()
+
+
+@pytest.mark.both_loops
+async def test_connection_loss_fails_every_stream(contexts) -> None:
+    loop = asyncio.get_running_loop()
+    async with hbone_pair(contexts) as p:
+        tunnels = [await p.tunnel() for _ in range(3)]
+        for t in tunnels:
+            t.app.send(b"x")
+            assert await recv_exact(t.upstream, 1) == b"x"
+        hard_close(p.raw_server)  # the tunnel's TCP connection dies under the server
+        for t in tunnels:
+            cb = await t.client_bridge
+            assert isinstance(cb.error, ConnectionLost)
+            with contextlib.suppress(ConnectionResetError):
+                assert await loop.sock_recv(t.app, 10) == b""
+            t.app.close()
+            t.upstream.close()
+        assert isinstance(await p.client.closed, OSError)
