@@ -175,10 +175,19 @@ class Workload:
     locality: Locality = Locality()
     network_mode: NetworkMode = NetworkMode.STANDARD
     capacity: int = 1
+    # Built on first use: connections keep it (access log, metrics, HBONE pool key), so every
+    # connection of this workload shares one object instead of building its own.
+    _identity: Identity | None = field(
+        default=None, init=False, repr=False, compare=False, hash=False
+    )
 
     @property
     def identity(self) -> Identity:
-        return Identity(self.trust_domain, self.namespace, self.service_account)
+        ident = self._identity
+        if ident is None:
+            ident = Identity(self.trust_domain, self.namespace, self.service_account)
+            object.__setattr__(self, "_identity", ident)
+        return ident
 
 
 @dataclass(frozen=True, slots=True)
