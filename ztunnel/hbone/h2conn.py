@@ -2,7 +2,8 @@
 
 Bytes in, events out; no sockets, no TLS, no clocks. HBONE needs only a subset of HTTP/2 (one
 CONNECT stream per proxied TCP connection, no push, no priorities), but that subset is implemented
-to RFC 9113, and header blocks use the ``hpack`` library.
+to RFC 9113. Header blocks we send are plain HPACK literals (see :func:`_encode_block`); blocks we
+receive go through a fast path for that form and the ``hpack`` library for everything else.
 
 Buffers and their lifetimes
 ---------------------------
@@ -52,7 +53,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, TypeAlias
 
-from hpack import Decoder, Encoder
+from hpack import Decoder
+from hpack.table import HeaderTable
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 Headers: TypeAlias = list[tuple[str, str]]
@@ -374,6 +376,134 @@ def _encode_fields(headers: Iterable[tuple[str, str]], out: list[tuple[bytes, by
         out.append((bname, bvalue))
 
 
+# ---------------------------------------------------------------------------------------------
+# HPACK (RFC 7541) for the blocks HBONE exchanges
+#
+# We send every field as a literal without indexing, never Huffman-coded, with the name indexed
+# from the static table when it is there (``:status 200`` is fully indexed). The block is valid
+# HPACK for any decoder and leaves both dynamic tables empty, and encoding it is a few byte
+# appends instead of the ``hpack`` encoder's table search and bookkeeping per field (~20 us per
+# CONNECT request). Receiving, :func:`_decode_literal_block` handles exactly that form (and
+# static indexed fields); anything else (Huffman, the dynamic table, size updates) returns None
+# and the whole block goes to the ``hpack`` decoder, so the connection's HPACK state stays exact.
+
+_STATIC: Final = HeaderTable.STATIC_TABLE  # index 1..61 -> (name, value) bytes
+_STATIC_NAME: Final = {name: i + 1 for i, (name, _) in reversed(list(enumerate(_STATIC)))}
+_STATIC_FIELD: Final = {field: i + 1 for i, field in enumerate(_STATIC)}
+_STATIC_TABLE_SIZE: Final = len(_STATIC)
+_DEFAULT_HEADER_TABLE: Final = 4096
+
+
+def _hpack_int(out: bytearray, value: int, prefix_bits: int, first: int) -> None:
+    """Append ``value`` as an HPACK integer with an N-bit prefix (RFC 7541 5.1)."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        out.append(first | value)
+        return
+    out.append(first | limit)
+    value -= limit
+    while value >= 128:
+        out.append((value & 127) | 128)
+        value >>= 7
+    out.append(value)
+
+
+def _encode_block(fields: list[tuple[bytes, bytes]], size_updates: list[int]) -> bytes:
+    """A header block of literals without indexing (see above), after any table size updates."""
+    out = bytearray()
+    for size in size_updates:
+        _hpack_int(out, size, 5, 0x20)
+    for name, value in fields:
+        idx = _STATIC_FIELD.get((name, value))
+        if idx is not None:
+            out.append(0x80 | idx)  # indexed field (static table)
+            continue
+        idx = _STATIC_NAME.get(name)
+        if idx is None:
+            out.append(0)  # literal without indexing, new name
+            _hpack_int(out, len(name), 7, 0)
+            out += name
+        else:
+            _hpack_int(out, idx, 4, 0)  # literal without indexing, indexed name
+        _hpack_int(out, len(value), 7, 0)
+        out += value
+    return bytes(out)
+
+
+def _hpack_int_tail(block: bytes, pos: int, value: int) -> tuple[int, int]:
+    """Finish an HPACK integer whose prefix was full (``value``); (integer, new position).
+    Raises IndexError when truncated, or ValueError past 2**28 (nothing HBONE sends)."""
+    shift = 0
+    while True:
+        b = block[pos]
+        pos += 1
+        value += (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 21:
+            raise ValueError("HPACK integer too large")
+
+
+def _decode_literal_block(block: bytes, max_list_size: int) -> list[tuple[bytes, bytes]] | None:
+    """Decode a block made only of static indexed fields and non-Huffman literals without (or
+    never) indexing: the form :func:`_encode_block` writes. None for anything else, including
+    any malformed or over-limit input (the ``hpack`` decoder then decodes it or says why)."""
+    fields: list[tuple[bytes, bytes]] = []
+    n = len(block)
+    pos = 0
+    size = 0
+    try:
+        while pos < n:
+            b = block[pos]
+            pos += 1
+            if b & 0x80:  # indexed field
+                idx = b & 0x7F
+                if not 0 < idx <= _STATIC_TABLE_SIZE:
+                    return None  # 0 is invalid; above: the dynamic table (or a multi-byte index)
+                field = _STATIC[idx - 1]
+                fields.append(field)
+                size += 32 + len(field[0]) + len(field[1])
+                continue
+            if b & 0xE0:  # 01xxxxxx incremental indexing, 001xxxxx table size update
+                return None
+            idx = b & 0x0F  # 0000xxxx without indexing, 0001xxxx never indexed
+            if idx == 0x0F:  # a name index >= 15 takes more bytes
+                idx, pos = _hpack_int_tail(block, pos, idx)
+            if idx:
+                if idx > _STATIC_TABLE_SIZE:
+                    return None
+                name = _STATIC[idx - 1][0]
+            else:
+                b = block[pos]
+                pos += 1
+                length = b & 0x7F
+                if b & 0x80 or length == 0x7F:
+                    return None  # Huffman-coded or a long name
+                name = block[pos : pos + length]
+                pos += length
+                if len(name) != length:
+                    return None
+            b = block[pos]
+            pos += 1
+            length = b & 0x7F
+            if b & 0x80:
+                return None  # Huffman-coded
+            if length == 0x7F:
+                length, pos = _hpack_int_tail(block, pos, length)
+            value = block[pos : pos + length]
+            pos += length
+            if len(value) != length:
+                return None
+            fields.append((name, value))
+            size += 32 + len(name) + length
+    except (IndexError, ValueError):  # truncated, or an absurd integer
+        return None
+    if size > max_list_size:
+        return None
+    return fields
+
+
 def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("utf-8", "surrogateescape")
 
@@ -503,11 +633,13 @@ class H2Connection:
             max_header_list_size=max_header_list_size,
         )
         self._remote = Settings()
-        self._encoder = Encoder()
+        self._header_table_size = _DEFAULT_HEADER_TABLE  # our encoder's table size (unused)
+        self._table_size_updates: list[int] = []  # to signal at the start of the next block
         # Hard HPACK limit: past it the decoder stops mid-block and the connection is lost
         # (COMPRESSION_ERROR). Past the advertised (soft) limit only the stream is reset.
         hard_limit = max(2 * max_header_list_size, 65_536)
         self._decoder = Decoder(max_header_list_size=hard_limit)
+        self._hard_header_list = hard_limit
         self._max_block = hard_limit + 16_384
 
         self._out: list[Buffer] = []
@@ -1148,8 +1280,12 @@ class H2Connection:
             ident, value = _SETTING.unpack_from(payload, off)
             if ident == SettingCode.HEADER_TABLE_SIZE:
                 remote.header_table_size = value
-                # We may use a smaller table than allowed; hpack signals the size update.
-                self._encoder.header_table_size = min(value, 4096)
+                # We may use a smaller table than allowed (we never add to it), but a change of
+                # its size must be signalled at the start of the next block (RFC 7541 4.2).
+                size = min(value, _DEFAULT_HEADER_TABLE)
+                if size != self._header_table_size:
+                    self._header_table_size = size
+                    self._table_size_updates.append(size)
             elif ident == SettingCode.ENABLE_PUSH:
                 if value > 1 or (self.client and value):
                     raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "bad ENABLE_PUSH")
@@ -1319,7 +1455,11 @@ class H2Connection:
     ) -> None:
         # Decode first, whatever happens to the stream: the HPACK context is connection-wide.
         try:
-            raw = self._decoder.decode(block, raw=True)
+            raw: Iterable[tuple[bytes, bytes]] | None = _decode_literal_block(
+                block, self._hard_header_list
+            )
+            if raw is None:
+                raw = self._decoder.decode(block, raw=True)
         except Exception as exc:
             raise RemoteProtocolError(
                 ErrorCode.COMPRESSION_ERROR, f"HPACK decoding failed: {exc}"
@@ -1427,9 +1567,9 @@ class H2Connection:
     def _send_header_block(
         self, sid: int, fields: list[tuple[bytes, bytes]], end_stream: bool
     ) -> None:
-        # No Huffman coding: pure-Python Huffman cost ~7% of CPU per tunnelled connection, and
-        # HBONE header blocks are small (benchmarks/README.md, bench_hbone profile).
-        block: bytes = self._encoder.encode(fields, huffman=False)
+        # Literals, no Huffman coding: see _encode_block.
+        block = _encode_block(fields, self._table_size_updates)
+        self._table_size_updates.clear()
         mfs = self._remote.max_frame_size
         flags = FLAG_END_STREAM if end_stream else 0
         out = self._out

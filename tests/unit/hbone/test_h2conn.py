@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ztunnel.hbone import h2conn as h2mod
 from ztunnel.hbone.h2conn import (
     CONTINUATION,
     DATA,
@@ -545,7 +546,7 @@ def test_trailers_and_informational_responses() -> None:
     c, s = connected_pair()
     sid = c.open_stream("10.0.0.1:80")
     pump(c, s)
-    enc = s._encoder  # inject frames in the server's own HPACK context
+    enc = hpack.Encoder()  # our server never indexes: the client's HPACK table is empty
     block = enc.encode([(":status", "100")])
     final = enc.encode([(":status", "200")])
     trailers = enc.encode([("grpc-status", "0")])
@@ -726,7 +727,7 @@ def test_malformed_response_is_reset() -> None:
     c, s = connected_pair()
     sid = c.open_stream("10.0.0.1:80")
     pump(c, s)
-    block = s._encoder.encode([("no-status", "x")])
+    block = hpack.Encoder().encode([("no-status", "x")])
     ev = c.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, block))
     assert ev == [StreamReset(sid, ErrorCode.PROTOCOL_ERROR, False)]
 
@@ -772,8 +773,8 @@ def test_stream_id_rules() -> None:
         s, frame(HEADERS, FLAG_END_HEADERS, 3, connect_block(enc)), ErrorCode.PROTOCOL_ERROR
     )
     # a server may not open streams at all
-    c, s2 = connected_pair()
-    block = s2._encoder.encode([(":status", "200")])
+    c, _ = connected_pair()
+    block = hpack.Encoder().encode([(":status", "200")])
     expect_conn_error(c, frame(HEADERS, FLAG_END_HEADERS, 2, block), ErrorCode.PROTOCOL_ERROR)
 
 
@@ -917,7 +918,9 @@ def test_late_frames_on_closed_streams_are_tolerated() -> None:
         frame(WINDOW_UPDATE, 0, sid, b"\0\0\0\x10")
         + frame(RST_STREAM, 0, sid, b"\0\0\0\x08")
         + frame(PRIORITY, 0, sid, b"\0\0\0\0\x10")
-        + frame(HEADERS, FLAG_END_HEADERS | FLAG_END_STREAM, sid, s._encoder.encode([("a", "b")]))
+        + frame(
+            HEADERS, FLAG_END_HEADERS | FLAG_END_STREAM, sid, hpack.Encoder().encode([("a", "b")])
+        )
     )
     assert c.receive_data(late) == []
 
@@ -994,7 +997,7 @@ def test_new_stream_self_dependency_and_oversized_request() -> None:
 
 def test_response_status_rules() -> None:
     c, s = connected_pair()
-    enc = s._encoder
+    enc = hpack.Encoder()
     sids = [c.open_stream("10.0.0.1:80") for _ in range(3)]
     pump(c, s)
     ev = c.receive_data(
@@ -1025,6 +1028,101 @@ def test_closed_stream_memory_is_bounded() -> None:
     assert len(of(ev, StreamReset)) == 1100
     assert len(s._recent_closed) == 1024
     assert s.open_streams == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# HPACK: literal blocks out, a fast path for them in, the hpack library for the rest
+
+_field_name = st.one_of(
+    st.sampled_from([b":authority", b":method", b":status", b"baggage", b"forwarded", b"age"]),
+    st.binary(min_size=1, max_size=200).map(lambda b: bytes(c % 26 + 97 for c in b)),
+)
+_field = st.tuples(_field_name, st.binary(max_size=300))
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.lists(_field, max_size=8), updates=st.lists(st.integers(0, 4096), max_size=2))
+def test_encoded_blocks_decode_the_same_with_hpack_and_the_fast_path(
+    fields: list[tuple[bytes, bytes]], updates: list[int]
+) -> None:
+    block = h2mod._encode_block(fields, updates)
+    assert hpack.Decoder().decode(block, raw=True) == fields
+    fast = h2mod._decode_literal_block(block, 1 << 20)
+    if updates:
+        assert fast is None  # a table size update changes decoder state: hpack's job
+    else:
+        assert fast == fields
+
+
+def test_encoded_block_form() -> None:
+    # :status 200 is one byte (static index 8); other fields are literals without indexing
+    assert h2mod._encode_block([(b":status", b"200")], []) == b"\x88"
+    assert h2mod._encode_block([(b":method", b"CONNECT")], []) == b"\x02\x07CONNECT"
+    assert h2mod._encode_block([(b"x-a", b"1")], [0]) == b"\x20\x00\x03x-a\x011"
+    long = b"v" * 300
+    assert h2mod._encode_block([(b"k", long)], []) == b"\x00\x01k\x7f\xad\x01" + long
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: hpack.Encoder().encode([(":method", "CONNECT"), ("x", "y")]),  # Huffman, indexing
+        lambda: hpack.Encoder().encode([("x", "y")], huffman=False),  # incremental indexing
+        lambda: b"\x20" + h2mod._encode_block([(b"x", b"y")], []),  # table size update
+        lambda: b"\xbe",  # dynamic table index 62
+        lambda: b"\x80",  # index 0
+        lambda: b"\x00\x05ab",  # truncated
+        lambda: b"\x00\x01k\x7f\xff\xff\xff\xff\x7f",  # absurd length
+        lambda: b"\x0f\x30\x01v",  # name index 63 (multi-byte): the dynamic table
+    ],
+)
+def test_fast_path_declines_what_it_does_not_handle(build: Callable[[], bytes]) -> None:
+    assert h2mod._decode_literal_block(build(), 1 << 20) is None
+
+
+def test_fast_path_static_name_with_a_multibyte_index() -> None:
+    assert h2mod._decode_literal_block(b"\x0f\x2e\x01v", 1 << 20) == [(b"www-authenticate", b"v")]
+    assert h2mod._decode_literal_block(b"\x0f\x06\x01v", 1 << 20) == [(b"age", b"v")]
+
+
+def test_fast_path_leaves_oversized_lists_to_hpack() -> None:
+    block = h2mod._encode_block([(b"k", b"v" * 100)], [])
+    assert h2mod._decode_literal_block(block, 132) is None  # 32 + 1 + 100, as hpack counts
+    assert h2mod._decode_literal_block(block, 133) == [(b"k", b"v" * 100)]
+
+
+def test_peer_blocks_with_huffman_and_dynamic_table_still_decode() -> None:
+    s, enc = raw_server()
+    for sid in (1, 3, 5):  # the second and later blocks reference hpack's dynamic table
+        (req,) = s.receive_data(
+            frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc, [("baggage", "a=b")]))
+        )
+        assert isinstance(req, RequestReceived)
+        assert req.authority == "1.2.3.4:80" and req.headers == [("baggage", "a=b")]
+
+
+def test_header_table_size_change_is_signalled_once() -> None:
+    c, s = connected_pair()
+    s.receive_data(frame(SETTINGS, 0, 0, settings_payload(header_table_size=0)))
+    s.data_to_send()
+    sids = [c.open_stream("10.0.0.1:80") for _ in range(2)]
+    pump(c, s)
+    s.send_response(sids[0], 200)
+    s.send_response(sids[1], 200)
+    blocks = [f[3] for f in parse_frames(s.data_to_send_bytes()) if f[0] == HEADERS]
+    assert blocks == [b"\x20\x88", b"\x88"]
+    # an h2-library client would fail the connection without the update; hpack accepts it
+    dec = hpack.Decoder()
+    dec.max_allowed_table_size = 0
+    assert dec.decode(blocks[0], raw=True) == [(b":status", b"200")]
+    # back to the default: signalled again
+    s.receive_data(frame(SETTINGS, 0, 0, settings_payload(header_table_size=65536)))
+    s.data_to_send()
+    sid = c.open_stream("10.0.0.1:80")
+    pump(c, s)
+    s.send_response(sid, 200)
+    (block,) = [f[3] for f in parse_frames(s.data_to_send_bytes()) if f[0] == HEADERS]
+    assert block == b"\x3f\xe1\x1f\x88"  # size update to 4096, then :status 200
 
 
 # ---------------------------------------------------------------------------------------------
