@@ -15,12 +15,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
 from ztunnel.net import copy as copy_mod
 from ztunnel.net.copy import CopyCounters, CopyResult, PipePool, Side, copy_bidirectional
+
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -637,6 +640,60 @@ async def test_pool_keeps_default_size_pipe_when_resize_fails(
     assert (got, digest) == (8 * MiB, sent)
     assert res.error is None
     assert pool.stats().resize_failed >= 1
+    pool.close()
+
+
+def test_pool_shrinks_to_pipe_max_size_when_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    limit = 256 * 1024
+    real_fcntl = fcntl.fcntl
+    refused: list[int] = []
+
+    def capped_setpipe(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == copy_mod._F_SETPIPE_SZ and arg > limit:
+            refused.append(arg)
+            raise PermissionError(errno.EPERM, "above pipe-max-size")
+        return real_fcntl(fd, cmd, arg)
+
+    max_size = tmp_path / "pipe-max-size"
+    max_size.write_text(f"{limit}\n")
+    monkeypatch.setattr(copy_mod, "_PIPE_MAX_SIZE_PATH", str(max_size))
+    monkeypatch.setattr(fcntl, "fcntl", capped_setpipe)
+    pool = PipePool(pipe_size=1 << 20)
+    a, b = pool.get(), pool.get()
+    try:
+        for _r, w in (a, b):
+            assert real_fcntl(w, _F_GETPIPE_SZ) == limit  # not the 64 KiB default
+        assert refused == [1 << 20]  # asked once; the second pipe used the limit directly
+        assert pool.pipe_size == limit
+        st = pool.stats()
+        assert (st.size, st.resize_failed, st.created) == (limit, 0, 2)
+    finally:
+        pool.discard(a)
+        pool.discard(b)
+        pool.close()
+
+
+def test_pool_keeps_its_size_when_refused_below_pipe_max_size(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    real_fcntl = fcntl.fcntl
+
+    def deny_setpipe(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == copy_mod._F_SETPIPE_SZ:
+            raise PermissionError(errno.EPERM, "pipe-user-pages-soft")
+        return real_fcntl(fd, cmd, arg)
+
+    max_size = tmp_path / "pipe-max-size"
+    max_size.write_text("1048576\n")
+    monkeypatch.setattr(copy_mod, "_PIPE_MAX_SIZE_PATH", str(max_size))
+    monkeypatch.setattr(fcntl, "fcntl", deny_setpipe)
+    pool = PipePool(pipe_size=1 << 20)
+    pipe = pool.get()
+    pool.put(pipe)
+    st = pool.stats()
+    assert (st.size, st.resize_failed) == (1 << 20, 1)  # a later pipe may still get the full size
     pool.close()
 
 
