@@ -772,6 +772,11 @@ class H2Connection:
     # -----------------------------------------------------------------------------------------
     # Output
 
+    @property
+    def has_output(self) -> bool:
+        """Whether :meth:`data_to_send` has anything."""
+        return bool(self._out)
+
     def data_to_send(self) -> list[Buffer]:
         """Take the queued output as a list of buffers (see the module docstring on lifetimes)."""
         out = self._out

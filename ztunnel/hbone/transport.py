@@ -375,6 +375,12 @@ class HboneConnection:
         self.h2 = h2c
         self.on_request = on_request
         self.peer_der = sslobj.getpeercert(binary_form=True) or b""
+        # The C-level TLS object behind the SSLObject: its read/write/pending are what the
+        # SSLObject methods call, minus a Python frame each (several per message).
+        tls = getattr(sslobj, "_sslobj", sslobj)
+        self._tls_read = tls.read
+        self._tls_write = tls.write
+        self._tls_pending = tls.pending
         self._peer_identity: Identity | bool | None = False  # False: not parsed yet
         self._recv_buf = bytearray(_RECV_SIZE)
         self._recv_view = memoryview(self._recv_buf)
@@ -423,23 +429,24 @@ class HboneConnection:
         if bufs:
             data = bufs[0] if len(bufs) == 1 else b"".join(bufs)
             try:
-                self.sslobj.write(data)
+                self._tls_write(data)
             except ssl.SSLError as e:
                 self._fail(e)
                 return
         if self.outbio.pending:
-            cipher = memoryview(self.outbio.read())
+            record = self.outbio.read()
+            n = 0
             if not self._out:
                 try:
-                    n = self.sock.send(cipher)
+                    n = self.sock.send(record)
                 except (BlockingIOError, InterruptedError):
-                    n = 0
+                    pass
                 except OSError as e:
                     self._fail(e)
                     return
-                if n == len(cipher):
+                if n == len(record):
                     return
-                cipher = cipher[n:]
+            cipher = memoryview(record)[n:]
             if self._closing:
                 return  # tearing down: best effort only, never re-arm the writer
             self._out.append(cipher)
@@ -501,9 +508,8 @@ class HboneConnection:
             return False
         inbio = self.inbio
         inbio.write(self._recv_view[:n])
-        sslobj = self.sslobj
-        read = sslobj.read
-        pending = sslobj.pending
+        read = self._tls_read
+        pending = self._tls_pending
         plain = self._plain_view
         size = _PLAIN_SIZE
         # Decrypt while a whole record may be there: input left in the BIO or plaintext left in
@@ -534,9 +540,10 @@ class HboneConnection:
                 self._feed(plain[:got])
             if got < size or self.closed.done():
                 break
-        self.flush()
-        if self.closed.done():
-            return False
+        if self.h2.has_output or self.outbio.pending:  # (WINDOW_UPDATE, ACKs, RST, alerts)
+            self.flush()
+            if self.closed.done():
+                return False
         if n < _RECV_SIZE:  # drained: see _READ_BATCH
             if (err := _socket_error(sock)) is not None:
                 self._fail(err)
