@@ -26,7 +26,7 @@ from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
 from ztunnel.proxy.context import UNKNOWN_LOCAL_WORKLOAD, ConnectionRecord, ProxyContext
 from ztunnel.proxy.hbone_outbound import HboneSettings
-from ztunnel.state.model import NetworkAddress
+from ztunnel.state.model import NetworkAddress, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
@@ -111,23 +111,49 @@ class InboundHbone:
         arrival: IPAddr,
         peer_id: Identity,
     ) -> None:
-        # This frame lives as long as the stream: it keeps no closure and drops the request
-        # event (its header list is most of its size) once the fields it needs are read.
+        # This frame lives as long as the stream, so it stays small: the checks run in a
+        # transient one, no closure, and the request event (its header list is most of its size)
+        # is dropped once read.
+        sid = ev.stream_id
+        rec = await self._admit(conn, ev, src, arrival, peer_id)
+        del ev
+        if rec is None:
+            return
+        ctx = self.ctx
+        with ctx.tracked(rec):
+            try:
+                upstream = await ctx.sockets.connect(rec.dst, spoof_source=src.ip)
+            except ProxyError as e:
+                _reject(conn, sid, src, 503, e, rec)
+                return
+            conn.respond(sid, 200, self._response_headers(rec.dst_workload), end_stream=False)
+            bridge = await conn.bridge(sid, upstream, rec.counters)
+            # Inbound: "sent" is what the local app sent back.
+            rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
+            rec.log_complete(reportable(bridge.error))
+
+    async def _admit(
+        self,
+        conn: HboneConnection,
+        ev: h2.RequestReceived,
+        src: SocketAddr,
+        arrival: IPAddr,
+        peer_id: Identity,
+    ) -> ConnectionRecord | None:
+        """Validate the CONNECT, open the connection's record and metrics, authorize it: the
+        record, or None once the stream was refused (and that logged)."""
         ctx = self.ctx
         sid = ev.stream_id
         bad = h2.connect_request_error(ev)
         if bad is not None:
             _reject(conn, sid, src, 400, bad)
-            return
+            return None
         assert ev.authority is not None
         try:
             target = SocketAddr.parse(ev.authority)
         except ValueError:
             _reject(conn, sid, src, 400, f"invalid authority {ev.authority!r}")
-            return
-        bag = parse_baggage(_header(ev.headers, BAGGAGE))
-        for_host = forwarded_host(_header(ev.headers, FORWARDED))
-        del ev
+            return None
         local = await ctx.wait_local_workload()
         rec = ConnectionRecord(
             "inbound",
@@ -142,11 +168,15 @@ class InboundHbone:
             dst_identity=ctx.local_identity(),
             counters=CopyCounters(),
         )
-        ctx.open_metrics(rec, mtls=True, baggage=bag, for_host=for_host)
-        del bag, for_host
+        ctx.open_metrics(
+            rec,
+            mtls=True,
+            baggage=parse_baggage(_header(ev.headers, BAGGAGE)),
+            for_host=forwarded_host(_header(ev.headers, FORWARDED)),
+        )
         if local is None:
             _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, rec)
-            return
+            return None
         if target.ip != arrival and target.ip not in local.addresses:
             _reject(
                 conn,
@@ -156,32 +186,26 @@ class InboundHbone:
                 f"authority IP {target.ip} does not match the destination {arrival}",
                 rec,
             )
-            return
+            return None
         if target.port in ILLEGAL_PORTS:
             _reject(conn, sid, src, 400, f"call to ztunnel's own port refused: {target}", rec)
-            return
+            return None
         try:
             ctx.authorize(rec, local)
         except AuthorizationDenied as e:
             _reject(conn, sid, src, 401, e, rec)
-            return
-        with ctx.tracked(rec):
-            try:
-                upstream = await ctx.sockets.connect(target, spoof_source=src.ip)
-            except ProxyError as e:
-                _reject(conn, sid, src, 503, e, rec)
-                return
-            headers: list[tuple[str, str]] = []
-            if ctx.config.enable_response_baggage and (
-                response_baggage := baggage(local, ctx.config.cluster_id)
-            ):
-                headers.append((BAGGAGE, response_baggage))
-            conn.respond(sid, 200, headers, end_stream=False)
-            del headers
-            bridge = await conn.bridge(sid, upstream, rec.counters)
-            # Inbound: "sent" is what the local app sent back.
-            rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
-            rec.log_complete(reportable(bridge.error))
+            return None
+        return rec
+
+    def _response_headers(self, local: Workload | None) -> list[tuple[str, str]]:
+        cfg = self.ctx.config
+        if (
+            local is not None
+            and cfg.enable_response_baggage
+            and (value := baggage(local, cfg.cluster_id))
+        ):
+            return [(BAGGAGE, value)]
+        return []
 
 
 def _reject(

@@ -33,6 +33,7 @@ class Outbound:
         except ProxyError as e:
             log_failed("outbound", src, dst, e)
             return
+        del dst  # the record keeps what it needs: this frame lives as long as the connection
         hbone = route.kind is RouteKind.HBONE
         rec = ConnectionRecord(
             "outbound",
