@@ -128,11 +128,16 @@ class StreamBridge:
         self._pending: list[_PendingWrite] = []
         self._unsent: memoryview | None = None  # TCP bytes waiting for send window
         self._writer_armed = False
+        self._finished = False
+        self._error: BaseException | None = None
+        # Resolved with ``error`` when the bridge finishes. HboneConnection.bridge awaits it
+        # directly, so cancelling that task cancels this future: _finished is the state.
         self.done: asyncio.Future[BaseException | None] = conn.loop.create_future()
 
     @property
     def error(self) -> BaseException | None:
-        return self.done.result() if self.done.done() else None
+        """None while running or after a clean end; otherwise why the bridge failed."""
+        return self._error
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -140,8 +145,10 @@ class StreamBridge:
         self._resume_reading()
 
     def _finish(self, error: BaseException | None) -> None:
-        if self.done.done():
+        if self._finished:
             return
+        self._finished = True
+        self._error = error
         loop = self.conn.loop
         if self._reading:
             loop.remove_reader(self.fd)
@@ -158,11 +165,12 @@ class StreamBridge:
         self.conn._bridges.pop(self.stream_id, None)
         if self.conn.goaway:
             self.conn.loop.call_soon(self.conn.close_if_idle)
-        self.done.set_result(error)
+        if not self.done.done():  # (cancelled with the task awaiting it)
+            self.done.set_result(error)
 
     def abort(self, error: BaseException) -> None:
         """Connection-level failure or cancellation: reset the stream, drop the socket."""
-        if self.done.done():
+        if self._finished:
             return
         if self.conn.h2.stream_is_open(self.stream_id):
             with contextlib.suppress(h2.ProtocolError):
@@ -184,12 +192,7 @@ class StreamBridge:
 
     def _resume_reading(self) -> None:
         # Bytes still waiting for send window go first; reading more now would reorder them.
-        if (
-            not self._reading
-            and not self._tcp_eof
-            and self._unsent is None
-            and not self.done.done()
-        ):
+        if not self._reading and not self._tcp_eof and self._unsent is None and not self._finished:
             self.conn.loop.add_reader(self.fd, self._on_tcp_readable)
             self._reading = True
 
@@ -256,7 +259,7 @@ class StreamBridge:
 
     def on_window(self) -> None:
         """Send capacity grew: push what was waiting, then read TCP again."""
-        if self.done.done():
+        if self._finished:
             return
         if self._unsent is not None:
             try:
@@ -278,7 +281,7 @@ class StreamBridge:
     # --- HTTP/2 -> TCP ---------------------------------------------------------------------
 
     def on_data(self, data: h2.Buffer, flow: int) -> None:
-        if self.done.done():
+        if self._finished:
             return
         n = 0
         if not self._pending:
@@ -346,7 +349,7 @@ class StreamBridge:
             self._unsent = None
             self._pause_reading()
             self.on_end_stream()
-            if not self.done.done() and not self._pending:
+            if not self._finished and not self._pending:
                 self._finish(None)
         else:
             self.abort(HboneError(f"stream reset by peer with error code {code}"))
@@ -767,7 +770,7 @@ class HboneConnection:
         if early:
             self.flush()
         try:
-            await asyncio.shield(b.done)
+            await b.done  # (no shield: cancelling cancels b.done, and abort still runs)
         except asyncio.CancelledError:
             b.abort(ConnectionLost("connection closed due to connection drain"))
             raise

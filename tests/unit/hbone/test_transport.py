@@ -283,3 +283,26 @@ async def test_connection_loss_fails_every_stream(contexts) -> None:
             t.app.close()
             t.upstream.close()
         assert isinstance(await p.client.closed, OSError)
+
+
+@pytest.mark.both_loops
+async def test_cancelling_a_bridge_resets_its_stream_only(contexts) -> None:
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        other = await p.tunnel()
+        t.app.send(b"x")
+        assert await recv_exact(t.upstream, 1) == b"x"
+        t.client_bridge.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t.client_bridge
+        assert await recv_all(t.upstream) == b""  # CANCEL: a clean end on the far side
+        assert (await t.server_bridge).error is None
+        with pytest.raises(ConnectionResetError):  # our end of the app socket was aborted
+            while await asyncio.get_running_loop().sock_recv(t.app, 10):
+                pass
+        # the other stream and the connection are unaffected
+        other.app.send(b"still here")
+        assert await recv_exact(other.upstream, 10) == b"still here"
+        assert p.client.active_streams == 1
+        for s in (t.app, t.upstream, other.app, other.upstream):
+            s.close()
