@@ -1130,17 +1130,28 @@ class H2Connection:
                 sid &= MAX_STREAM_ID
                 if length > max_frame or self._cont_sid or self._awaiting_settings:
                     self._check_header(ftype, flags, sid, length)
-                if ftype == DATA and not flags & FLAG_PADDED:
-                    pos += 9
-                    st = self._begin_data(sid, length, events)
-                    if length:
-                        self._data_remaining = length
-                        self._data_stream = st
-                        self._data_end = bool(flags & FLAG_END_STREAM)
-                    elif st is not None and flags & FLAG_END_STREAM:
-                        self._remote_end(st, events)
-                    break
                 end = pos + 9 + length
+                if ftype == DATA and not flags & FLAG_PADDED:
+                    st = self._begin_data(sid, length, events)
+                    if end <= n:  # the whole frame is here: deliver it at once
+                        if length:
+                            if st is None:
+                                self._release_conn(length)
+                            else:
+                                if mv is None:
+                                    mv = memoryview(data)
+                                st.unacked += length
+                                events.append(DataReceived(sid, mv[pos + 9 : end], length))
+                        if st is not None and flags & FLAG_END_STREAM:
+                            self._remote_end(st, events)
+                        pos = end
+                        continue
+                    # The payload continues in later input: stream it as it arrives.
+                    pos += 9
+                    self._data_remaining = length
+                    self._data_stream = st
+                    self._data_end = bool(flags & FLAG_END_STREAM)
+                    break
                 if end > n:
                     if mv is None:
                         mv = memoryview(data)
