@@ -727,6 +727,11 @@ class H2Connection:
         )
 
     @property
+    def remote_max_concurrent_streams(self) -> int | None:
+        """The peer's SETTINGS_MAX_CONCURRENT_STREAMS (None: unlimited), without a copy."""
+        return self._remote.max_concurrent_streams
+
+    @property
     def closed(self) -> bool:
         """True once a final GOAWAY was queued (:meth:`close` or a protocol error)."""
         return self._closed

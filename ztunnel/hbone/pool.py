@@ -47,7 +47,7 @@ class ConnectionPool:
         self.dials = 0
 
     def _capacity(self, conn: HboneConnection) -> int:
-        peer = conn.h2.remote_settings.max_concurrent_streams
+        peer = conn.h2.remote_max_concurrent_streams
         limit = self.max_streams if peer is None else min(self.max_streams, peer)
         return limit - conn.active_streams
 

@@ -195,6 +195,7 @@ def test_settings_exchange_and_ack() -> None:
     assert c.available_streams == 200
     assert s.available_streams == 0
     assert c.remote_settings.max_frame_size == MiB
+    assert c.remote_max_concurrent_streams == c.remote_settings.max_concurrent_streams == 200
     assert c.local_settings.enable_push == 0
 
 
