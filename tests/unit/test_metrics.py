@@ -430,3 +430,12 @@ def test_gzip_roundtrip_sanity(reg: CollectorRegistry) -> None:
     Metrics(reg, process=False)
     body = encode(reg)
     assert gzip.decompress(gzip.compress(body)) == body
+
+
+def test_connections_share_their_label_tuple(reg: CollectorRegistry) -> None:
+    """A connection's handle keeps the series' own label tuple, not one of its own."""
+    m = Metrics(reg, process=False)
+    a = m.open_connection(traffic_labels(Reporter.SOURCE, source=CLIENT, destination=SERVER))
+    b = m.open_connection(traffic_labels(Reporter.SOURCE, source=CLIENT, destination=SERVER))
+    assert a.labels == b.labels and a.labels is b.labels
+    assert m.connections_opened.labels(*a.labels).value == 2

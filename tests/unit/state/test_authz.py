@@ -1101,3 +1101,15 @@ def test_evaluate_agrees_with_reference(pols: list[Authorization], c: Connection
     assert [(t.key, t.matched) for t in ex.policies] == [
         (p.key, ref_policy_matches(p, c)) for p in pols
     ]
+
+
+def test_connections_from_one_peer_share_derived_values() -> None:
+    ident = Identity("cluster.local", "ns", "sa")
+    a = conn("10.1.2.3", ident, "10.9.9.9")
+    b = conn("10.1.2.3", Identity("cluster.local", "ns", "sa"), "10.9.9.9")
+    assert a.principal == "cluster.local/ns/ns/sa/sa" and a.src_sa == ("ns", "sa")
+    assert a.principal is b.principal and a.src_sa is b.src_sa
+    assert a.src_key == b.src_key and a.dst_key == b.dst_key
+    v6 = conn("::ffff:10.1.2.3", ident, "10.9.9.9")  # canonicalised before the key is taken
+    assert v6.src_key == a.src_key
+    assert conn("::1").src_key != conn("0.0.0.1").src_key  # families stay apart

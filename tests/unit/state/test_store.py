@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -599,3 +600,14 @@ def test_subscribe_and_generation() -> None:
     assert len(seen) == 4
     assert st.generation == g0 + 6
     assert list(st.services()) == [] and list(st.policies()) == []
+
+
+def test_workload_identity_is_built_once_and_invisible_to_equality() -> None:
+    a = wl("a", "10.0.0.1", service_account="sa")
+    assert a.identity is a.identity  # every connection of the workload shares one object
+    assert str(a.identity) == "spiffe://cluster.local/ns/ns/sa/sa"
+    b = wl("a", "10.0.0.1", service_account="sa")
+    assert a == b and hash(a) == hash(b) and repr(a) == repr(b)  # a has its cache set, b not
+    assert "_identity" not in repr(a)
+    moved = replace(a, trust_domain="other.local")
+    assert str(moved.identity) == "spiffe://other.local/ns/ns/sa/sa"
