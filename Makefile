@@ -2,16 +2,18 @@
 
 # Quick benchmark suite, as root (network namespaces; about 3 minutes): direct, ztunnel TCP,
 # ztunnel HBONE, HAProxy (splice) and a stunnel mTLS pair side by side in one run.
-# Results: benchmarks/results/suite.{json,md,*.png}
+# Results: benchmarks/results/suite.{json,md,*.png}; then the README's table is regenerated.
 bench:
 	bash scripts/install-deps.sh
 	python3 -m pip install -q --disable-pip-version-check matplotlib
 	python3 benchmarks/suite.py --quick
+	python3 benchmarks/report.py
 
 bench-full:
 	bash scripts/install-deps.sh
 	python3 -m pip install -q --disable-pip-version-check matplotlib
 	python3 benchmarks/suite.py
+	python3 benchmarks/report.py
 
 test:
 	bash scripts/test.sh

@@ -263,6 +263,9 @@ def haproxy_cfg(maps: list[tuple[int, int]]) -> str:
         "  maxconn 4000",
         "  tune.pipesize 1048576",
         "  tune.bufsize 65536",
+        # no UDP socket towards /etc/resolv.conf's server (HAProxy 2.6's default resolvers)
+        "resolvers default",
+        "  nameserver lo 127.0.0.1:53",
         "defaults",
         "  mode tcp",
         "  timeout connect 5s",

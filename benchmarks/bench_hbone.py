@@ -674,6 +674,9 @@ def haproxy_cfg(listen: str, server: str, ca: str, leaf: str, *, tls_in: bool) -
             "  nbthread 1",
             "  maxconn 4000",
             "  tune.bufsize 65536",
+            # no UDP socket towards /etc/resolv.conf's server (HAProxy 2.6's default resolvers)
+            "resolvers default",
+            "  nameserver lo 127.0.0.1:53",
             "defaults",
             "  mode tcp",
             "  timeout connect 5s",
@@ -758,7 +761,7 @@ def testbed(variants: list[Variant], loop: str, haproxy: bool) -> Iterator[dict[
             echo.wait_for_line("READY", timeout=15)
             wait_until(lambda p=srv: listening_in(p.pid, IPERF_PORT), 10, "iperf3 -s")
         try:
-            yield {"bed": tb, "pods": pods, "zts": zts, "haproxy": hap}
+            yield {"bed": tb, "pods": pods, "zts": zts, "haproxy": hap, "ca_dir": ca_dir}
         finally:
             for zt in zts.values():
                 rc = zt.stop()

@@ -22,7 +22,8 @@ Each path is checked to really go through its proxies: ztunnel access-log byte c
 lines (``%U`` bytes uploaded), stunnel "Connection closed" byte counts, compared with iperf3.
 
 Internal sub-commands (run inside pods): ``rr`` (paced / max-rate 1 KiB request-response load
-generator) and ``idle`` (opens N idle connections).
+generator), ``hs`` (new mTLS connections: full handshakes/s at a server) and ``idle`` (opens N
+idle connections). ``benchmarks/report.py`` turns the JSON into the README's table.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import re
 import resource
 import select
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -251,6 +253,117 @@ def run_idle(ip: str, port: int, n: int) -> None:
         s.close()
 
 
+def _hs_once(ctx: ssl.SSLContext, addr: tuple[str, int], authority: str | None) -> bool:
+    """One new mTLS connection: a full TLS 1.3 handshake with client certificates, then one byte
+    echoed end to end (``authority``: through an HBONE CONNECT to it). True if the byte came back."""
+    from ztunnel.hbone import h2conn as h2
+
+    with socket.create_connection(addr, timeout=5) as raw:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with ctx.wrap_socket(raw, server_hostname=None) as s:
+            if authority is None:
+                s.sendall(b"x")
+                return s.recv(1) == b"x"
+            conn = h2.H2Connection(client=True)
+            sid = conn.open_stream(authority, [("traceparent", _TRACEPARENT)])
+            s.sendall(conn.data_to_send_bytes())
+            status = 0
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    return False
+                for ev in conn.receive_data(data):
+                    if isinstance(ev, h2.ResponseReceived):
+                        if ev.status != 200:
+                            return False
+                        status = ev.status
+                        conn.send_data(sid, b"x")
+                    elif isinstance(ev, h2.DataReceived) and ev.stream_id == sid:
+                        return status == 200 and bytes(ev.data) == b"x"
+                    elif isinstance(ev, h2.StreamReset | h2.ConnectionTerminated):
+                        return False
+                if out := conn.data_to_send_bytes():
+                    s.sendall(out)
+
+
+_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def _hs_worker(
+    ctx: ssl.SSLContext,
+    addr: tuple[str, int],
+    authority: str | None,
+    start: float,
+    end: float,
+    wfd: int,
+) -> None:
+    n = errors = 0
+    while time.time() < start:
+        time.sleep(0.001)
+    while time.time() < end:
+        try:
+            ok = _hs_once(ctx, addr, authority)
+        except (OSError, ssl.SSLError):
+            ok = False
+        n += 1
+        errors += not ok
+    os.write(wfd, json.dumps({"n": n, "errors": errors}).encode())
+    os.close(wfd)
+
+
+def run_hs(args: argparse.Namespace) -> None:
+    """``procs`` forked clients making new mTLS connections until the end (see ``_hs_once``).
+
+    HBONE (``--ca-dir``): a workload certificate from the test bed's shared local CA, CONNECT to
+    ``--authority``. Plain TLS (``--ca``, ``--leaf``): the stunnel pair's CA and leaf. Prints one
+    JSON line: connections, errors, seconds, the clients' CPU seconds."""
+    if args.ca_dir:  # the client context ztunnel itself uses for HBONE
+        from ztunnel.core.identity import Identity
+        from ztunnel.identity.localca import LocalCA
+        from ztunnel.identity.tls import client_context
+
+        ca = LocalCA.load_or_create(Path(args.ca_dir))
+        ctx = client_context(ca.issue(Identity(ca.trust_domain, "default", "sa-bench-hs")))
+    else:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.check_hostname = False
+        ctx.options |= ssl.OP_NO_TICKET  # every connection a full handshake, as ztunnel's
+        ctx.load_verify_locations(args.ca)
+        ctx.load_cert_chain(args.leaf)
+    addr = (args.ip, args.port)
+    start = time.time() + 0.15
+    end = start + args.seconds
+    children: list[tuple[int, int]] = []
+    for _ in range(args.procs):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            code = 0
+            try:
+                _hs_worker(ctx, addr, args.authority, start, end, w)
+            except BaseException:
+                code = 1
+            os._exit(code)
+        os.close(w)
+        children.append((pid, r))
+    total = errors = 0
+    for pid, r in children:
+        raw = b""
+        while chunk := os.read(r, 1 << 16):
+            raw += chunk
+        os.close(r)
+        os.waitpid(pid, 0)
+        res = json.loads(raw or b'{"n": 0, "errors": 1}')
+        total += res["n"]
+        errors += res["errors"]
+    t = os.times()
+    out = {"conns": total, "errors": errors, "seconds": args.seconds}
+    out["client_cpu_s"] = t.children_user + t.children_system
+    print(json.dumps(out), flush=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # proxies: HAProxy (plaintext peer) and stunnel (encrypted peer)
 
@@ -276,6 +389,10 @@ def haproxy_splice_cfg(maps: list[tuple[int, str]]) -> str:
         "  tune.pipesize 1048576",
         "  tune.bufsize 65536",
         "  log stdout format raw local0 info",
+        # HAProxy 2.6 makes a "default" resolvers section from /etc/resolv.conf and connect()s a
+        # UDP socket to it at start-up; naming our own keeps it on the pod's loopback.
+        "resolvers default",
+        "  nameserver lo 127.0.0.1:53",
         "defaults",
         "  mode tcp",
         "  log global",
@@ -339,6 +456,8 @@ class Path_:
     zta: Any = None
     ztb: Any = None
     logs: dict[str, LineLog] = field(default_factory=dict)
+    # new mTLS connections straight at the server side "b": (client pod, address, generator args)
+    hs: tuple[Any, tuple[str, int], list[str]] | None = None
     res: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
@@ -480,6 +599,48 @@ def run_crr(p: Path_, seconds: float, procs: int) -> dict[str, Any]:
     return res
 
 
+def run_handshakes(p: Path_, seconds: float, procs: int) -> dict[str, Any]:
+    """Full mTLS handshakes/s at the server side ("b") of an encrypted path, same generator for
+    both: each connection is a TLS 1.3 handshake with client certificates plus a 1-byte echo
+    (for ztunnel through an HBONE CONNECT, so the handshake is ztunnel's inbound 15008)."""
+    assert p.hs is not None
+    client, (ip, port), extra = p.hs
+    start = _proof_start(p)
+    pid = p.pids["b"]
+    cpu0 = bh.cpu_seconds(pid)
+    out = client.run(
+        sys.executable, __file__, "hs", "--ip", ip, "--port", str(port), "--seconds",
+        str(seconds), "--procs", str(procs), *extra, timeout=seconds + 60,
+    )  # fmt: skip
+    cpu = bh.cpu_seconds(pid) - cpu0
+    r = json.loads(out.stdout)
+    res: dict[str, Any] = {
+        "handshakes_per_s": r["conns"] / r["seconds"],
+        "conns": r["conns"],
+        "errors": r["errors"],
+        "server_cores": cpu / r["seconds"],
+        "client_cores": r["client_cpu_s"] / r["seconds"],
+    }
+    if r["conns"]:
+        res["server_cpu_us_per_handshake"] = cpu / r["conns"] * 1e6
+        res["handshakes_per_server_core_s"] = r["conns"] / cpu if cpu > 0 else None
+    # proof: the server side logged every connection
+    if p.kind == "ztunnel":
+        bh._wait_records(p.ztb, start["b"], "inbound", ECHO_PORT, r["conns"])
+        n, _ = bh._zt_bytes(p.ztb, start["b"], "inbound", ECHO_PORT, "bytes_sent")
+        res["proof_conns_b"] = n
+    else:
+        log = p.logs["b"]
+        deadline = time.monotonic() + 3.0
+        while True:
+            n = sum(1 for x in log.lines[start["log_b"] :] if _ST_CLOSED.search(x))
+            if n >= r["conns"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        res["proof_conns_b"] = n
+    return res
+
+
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -599,6 +760,8 @@ def suite_bed(loop: str) -> Iterator[list[Path_]]:
             Path_(
                 "ztunnel-hbone", "ztunnel", pods["a"], (b.ip4, IPERF_PORT), (b.ip4, ECHO_PORT),
                 pids={"a": zts["a"].pid, "b": zts["b"].pid}, zta=zts["a"], ztb=zts["b"],
+                hs=(pods["c"], (b.ip4, 15008),
+                    ["--ca-dir", bed["ca_dir"], "--authority", f"{b.ip4}:{ECHO_PORT}"]),
             ),
             Path_(
                 "haproxy-splice", "haproxy", g, (lo, HAP_IPERF), (lo, HAP_ECHO),
@@ -607,6 +770,7 @@ def suite_bed(loop: str) -> Iterator[list[Path_]]:
             Path_(
                 "stunnel-pair", "stunnel", e, (lo, ST_IPERF), (lo, ST_ECHO),
                 pids={"a": ste.pid, "b": stf.pid}, logs=st_logs,
+                hs=(e, (f.ip4, ST_TLS_ECHO), ["--ca", ca, "--leaf", leaf]),
             ),
         ]  # fmt: skip
         yield paths
@@ -794,6 +958,33 @@ def markdown(doc: dict[str, Any], paths: list[Path_]) -> str:
             f"{'' if okm else ' (client-bound)'} | {fmt(c.get('conn_per_s'), '.0f')} "
             f"| {fmt(c.get('proxy_cpu_us_per_conn'), '.0f')} |"
         )
+    hs_rows = [(p.name, s[p.name]["handshakes"]) for p in paths if s[p.name].get("handshakes")]
+    if hs_rows:
+        st = _get(s, "stunnel-pair", "handshakes", "handshakes_per_server_core_s")
+        lines += [
+            "",
+            f"### mTLS handshakes, {p_['hs_procs']} client processes, {p_['hs_seconds']} s",
+            "",
+            "Each connection: TCP connect, TLS 1.3 handshake with client certificates (no "
+            "resumption), one byte echoed end to end, close; for ztunnel straight at ztunnel-b's "
+            "inbound 15008 with an HBONE CONNECT (the client presents a workload certificate of "
+            "the mesh CA), for the stunnel pair at its server side. Server CPU from /proc.",
+            "",
+            "| path (server side) | handshakes/s | server cores | server CPU µs per handshake "
+            "| **handshakes per server core-second** | vs stunnel | client cores | proof: "
+            "connections the server logged |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, h in hs_rows:
+            per_core = h.get("handshakes_per_server_core_s")
+            lines.append(
+                f"| {name} | {fmt(h.get('handshakes_per_s'), '.0f')} "
+                f"| {fmt(h.get('server_cores'))} "
+                f"| {fmt(h.get('server_cpu_us_per_handshake'), '.0f')} | {fmt(per_core, '.0f')} "
+                f"| {fmt(per_core / st if per_core and st else None)}x "
+                f"| {fmt(h.get('client_cores'))} | {fmt(h.get('proof_conns_b'), '.0f')} "
+                f"of {fmt(h.get('conns'), '.0f')} |"
+            )
     idle = s.get("ztunnel-hbone", {}).get("idle")
     if idle:
         lines += [
@@ -887,6 +1078,8 @@ def drive(args: argparse.Namespace) -> None:
         "rr_max_conns": 16,
         "crr_seconds": 2.0 if quick else 4.0,
         "crr_procs": 4,
+        "hs_seconds": 3.0 if quick else 6.0,
+        "hs_procs": 2,
         "idle_conns": args.idle_conns,
     }
     # 10k idle connections: client, both ztunnels and the echo server need the descriptors
@@ -927,6 +1120,11 @@ def drive(args: argparse.Namespace) -> None:
                 record(p, "rr_max", run_rr_load(p, 0, params["rr_max_conns"], rr_seconds / 2))
             for p in paths:
                 record(p, "crr", run_crr(p, params["crr_seconds"], params["crr_procs"]))
+        if args.only in (None, "hs"):
+            for p in paths:
+                if p.hs is not None:
+                    hs = run_handshakes(p, params["hs_seconds"], params["hs_procs"])
+                    record(p, "handshakes", hs)
         if args.only in (None, "idle") and args.idle_conns > 0:
             server = hb.ztb.host
             r = run_idle_memory(hb, server, args.idle_conns)
@@ -946,6 +1144,7 @@ def drive(args: argparse.Namespace) -> None:
             "haproxy": bh.tool_version([bh.HAPROXY, "-v"]),
             "stunnel": bh.tool_version(["stunnel", "-version"]),
             "git_head": bh._git("rev-parse", "HEAD"),
+            "git_dirty": bool(bh._git("status", "--porcelain", "--untracked-files=no")),
             "load_avg_at_end": os.getloadavg(),
         },
         "params": params,
@@ -975,7 +1174,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, help="iperf3 -t (3 quick / 10)")
     ap.add_argument("--idle-conns", type=int, default=10_000, help="0 to skip")
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
-    ap.add_argument("--only", choices=["tput", "rr", "idle"], help="one part (development)")
+    ap.add_argument("--only", choices=["tput", "rr", "hs", "idle"], help="one part (development)")
     ap.add_argument("--no-plots", action="store_true")
     r = sub.add_parser("rr")
     r.add_argument("--ip", required=True)
@@ -984,6 +1183,15 @@ def main() -> None:
     r.add_argument("--conns", type=int, default=4)
     r.add_argument("--seconds", type=float, default=5.0)
     r.add_argument("--size", type=int, default=1024)
+    h = sub.add_parser("hs")
+    h.add_argument("--ip", required=True)
+    h.add_argument("--port", type=int, required=True)
+    h.add_argument("--seconds", type=float, default=3.0)
+    h.add_argument("--procs", type=int, default=2)
+    h.add_argument("--ca-dir", help="HBONE: the shared local CA directory of the test bed")
+    h.add_argument("--authority", help="HBONE: CONNECT to this host:port")
+    h.add_argument("--ca", help="plain TLS: CA file")
+    h.add_argument("--leaf", help="plain TLS: client certificate + key PEM")
     i = sub.add_parser("idle")
     i.add_argument("--ip", required=True)
     i.add_argument("--port", type=int, required=True)
@@ -991,6 +1199,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.cmd == "rr":
         run_rr(args.ip, args.port, args.rate, args.conns, args.seconds, args.size)
+    elif args.cmd == "hs":
+        run_hs(args)
     elif args.cmd == "idle":
         run_idle(args.ip, args.port, args.n)
     else:
