@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -699,7 +700,7 @@ def testbed(variants: list[Variant], loop: str, haproxy: bool) -> Iterator[dict[
         n1, n2 = tb.add_node("n1"), tb.add_node("n2")
         pods = {"a": n1.add_pod("a"), "c": n1.add_pod("c", ambient=False)}
         pods |= {"b": n2.add_pod("b"), "d": n2.add_pod("d", ambient=False)}
-        pairs = [("a", "b", {})]
+        pairs: list[tuple[str, str, dict[str, str]]] = [("a", "b", {})]
         for v in variants:
             a, b = f"a-{v.name}", f"b-{v.name}"
             pods |= {a: n1.add_pod(a), b: n2.add_pod(b)}
@@ -759,7 +760,7 @@ def testbed(variants: list[Variant], loop: str, haproxy: bool) -> Iterator[dict[
             )  # fmt: skip
             echo = pod.popen(sys.executable, __file__, "echo", "--port", str(ECHO_PORT))
             echo.wait_for_line("READY", timeout=15)
-            wait_until(lambda p=srv: listening_in(p.pid, IPERF_PORT), 10, "iperf3 -s")
+            wait_until(functools.partial(listening_in, srv.pid, IPERF_PORT), 10, "iperf3 -s")
         try:
             yield {"bed": tb, "pods": pods, "zts": zts, "haproxy": hap, "ca_dir": ca_dir}
         finally:
@@ -1270,10 +1271,8 @@ def report(
                 "box_busy_cores": med(m.tput, "box_busy_cores"),
                 "zta_bytes_ratio": ratio_a,
                 "ztb_bytes_ratio": ratio_b,
-                "conn_per_s": med(m.crr, "conn_per_s"),
-                "crr_vs_direct": med(m.crr, "conn_per_s") / direct_crr
-                if m.crr and direct_crr
-                else None,
+                "conn_per_s": (crr := med(m.crr, "conn_per_s")),
+                "crr_vs_direct": crr / direct_crr if crr and direct_crr else None,
                 "crr_p50_us": med(m.crr, "p50_us"),
                 "crr_p99_us": med(m.crr, "p99_us"),
                 "crr_cpu_us_per_conn_a": med(m.crr, "cpu_us_per_conn_a"),

@@ -97,9 +97,9 @@ def run_rr(ip: str, port: int, rate: float, conns: int, seconds: float, size: in
         s = socket.create_connection((ip, port), timeout=5)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(payload)  # warm-up round trip on each connection
-        got = 0
-        while got < size:
-            got += len(s.recv(65536))
+        warm = 0
+        while warm < size:
+            warm += len(s.recv(65536))
         s.setblocking(False)
         socks.append(s)
     ep = select.epoll()
@@ -556,7 +556,7 @@ def run_rr_load(p: Path_, rate: float, conns: int, seconds: float) -> dict[str, 
         "--conns", str(conns), "--seconds", str(seconds), timeout=seconds + 60,
     )  # fmt: skip
     cpu1 = _cpu(p)
-    r = json.loads(out.stdout)
+    r: dict[str, Any] = json.loads(out.stdout)
     total = 0.0
     for k in cpu0:
         c = cpu1[k] - cpu0[k]

@@ -7,4 +7,5 @@ bash scripts/install-deps.sh
 python3 -m ruff check ztunnel tests benchmarks
 python3 -m ruff format --check ztunnel tests benchmarks
 python3 -m mypy ztunnel
+python3 -m mypy benchmarks/*.py
 python3 -m pytest -q "$@"
