@@ -56,6 +56,7 @@ DOC: dict[str, Any] = {
                 "rss_kib_at_rest": {"a": 57080, "b": 58716},
             },
         },
+        "haproxy-inpod": {"tput_1": {"gbps": 8.1, "gbps_per_proxy_core": 16.02}},
         "haproxy-splice": {"tput_1": {"gbps": 9.4, "gbps_per_proxy_core": 27.04}},
         "stunnel-pair": {"handshakes": {"handshakes_per_server_core_s": 400.0}},
     },
@@ -81,9 +82,9 @@ def test_block_carries_the_run_and_its_figures() -> None:
     assert block.startswith(report.BEGIN) and block.endswith(report.END)
     assert "2026-11-29T20:00:00+0000" in block and "`0123456789ab`" in block
     assert "`python benchmarks/suite.py --quick`" in block
-    assert _row(block, "Gbit/s, 1 stream (iperf3)")[:4] == ["11.50", "7.25", "3.04", "9.40"]
+    assert _row(block, "Gbit/s, 1 stream (iperf3)")[:5] == ["11.50", "7.25", "3.04", "8.10", "9.40"]
     per_core = _row(block, "**Gbit/s per proxy core**, 1 stream")
-    assert per_core[:4] == ["-", "16.66", "1.97", "27.04"]
+    assert per_core[:6] == ["-", "16.66", "1.97", "16.02", "27.04", "-"]
     assert _row(block, "added p99 ms vs direct at 1000 rps")[:3] == ["-", "0.250", "1.000"]
     assert _row(block, "mTLS handshakes per server core-second")[2] == "321"
     assert "**30.16 KiB** (15.0 + 15.2)" in _row(block, "proxy memory (RSS)")[2]
