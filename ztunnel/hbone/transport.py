@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,27 @@ log = logging.getLogger("ztunnel.hbone")
 
 _RECV_SIZE = 256 * 1024
 _PLAIN_SIZE = 512 * 1024
+
+
+class _Scratch(threading.local):
+    """The ciphertext read buffer and the plaintext decrypt buffer, one pair per thread (that is,
+    per event loop) shared by all of its HBONE connections.
+
+    A connection uses them only within one synchronous read callback: ciphertext is copied into
+    the TLS memory BIO at once, and plaintext is parsed and written to the streams' sockets before
+    the callback returns; what must outlive it (early stream data, bytes a socket would not take)
+    is copied. So sharing is as safe as reusing a per-connection buffer, and a pooled connection
+    costs no 768 KiB of its own: with 100 streams per connection that was 7.7 KiB per idle
+    tunnelled connection on each side.
+    """
+
+    def __init__(self) -> None:
+        self.recv = bytearray(_RECV_SIZE)
+        self.recv_view = memoryview(self.recv)
+        self.plain_view = memoryview(bytearray(_PLAIN_SIZE))
+
+
+_scratch = _Scratch()
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
 _TCP_READ = 256 * 1024
 # Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
@@ -385,10 +407,6 @@ class HboneConnection:
         self._tls_write = tls.write
         self._tls_pending = tls.pending
         self._peer_identity: Identity | bool | None = False  # False: not parsed yet
-        self._recv_buf = bytearray(_RECV_SIZE)
-        self._recv_view = memoryview(self._recv_buf)
-        self._plain_buf = bytearray(_PLAIN_SIZE)
-        self._plain_view = memoryview(self._plain_buf)
         self._out: list[memoryview] = []
         self._out_size = 0
         self._writer_armed = False
@@ -499,8 +517,9 @@ class HboneConnection:
         if self._closing:
             return False
         sock = self.sock
+        scratch = _scratch  # this thread's buffers
         try:
-            n = sock.recv_into(self._recv_buf)
+            n = sock.recv_into(scratch.recv)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:
@@ -510,10 +529,10 @@ class HboneConnection:
             self._fail(ConnectionLost("peer closed the connection"))
             return False
         inbio = self.inbio
-        inbio.write(self._recv_view[:n])
+        inbio.write(scratch.recv_view[:n])
         read = self._tls_read
         pending = self._tls_pending
-        plain = self._plain_view
+        plain = scratch.plain_view
         size = _PLAIN_SIZE
         # Decrypt while a whole record may be there: input left in the BIO or plaintext left in
         # OpenSSL. Once complete records are consumed the BIO is empty (a partial record moves

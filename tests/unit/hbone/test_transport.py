@@ -10,6 +10,7 @@ import hashlib
 import socket
 import ssl
 import struct
+import tracemalloc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -193,6 +194,49 @@ async def test_bulk_both_ways_crosses_records_and_reads(contexts) -> None:
         assert cb.error is None and sb.error is None
         t.app.close()
         t.upstream.close()
+
+
+@pytest.mark.both_loops
+async def test_connections_share_read_buffers_without_mixing_data(contexts) -> None:
+    """Three HBONE connections, bulk both ways on each at once: their reads interleave on the
+    thread's one pair of read/decrypt buffers, and no byte crosses between them."""
+    loop = asyncio.get_running_loop()
+    async with contextlib.AsyncExitStack() as stack:
+        pairs = [await stack.enter_async_context(hbone_pair(contexts)) for _ in range(3)]
+        tunnels = [await p.tunnel() for p in pairs]
+
+        async def send(sock: socket.socket, data: bytes) -> None:
+            await loop.sock_sendall(sock, data)
+            sock.shutdown(socket.SHUT_WR)
+
+        sent, jobs = [], []
+        for i, t in enumerate(tunnels):
+            up, down = payload(3 * MiB + i, 10 + i), payload(2 * MiB + 17 * i, 20 + i)
+            sent += [up, down]
+            jobs += [send(t.app, up), send(t.upstream, down), recv_all(t.upstream), recv_all(t.app)]
+        got = await asyncio.gather(*jobs)
+        for i, t in enumerate(tunnels):
+            assert got[4 * i + 2] == sent[2 * i], f"tunnel {i} upstream"
+            assert got[4 * i + 3] == sent[2 * i + 1], f"tunnel {i} downstream"
+            assert (await t.client_bridge).error is None
+            assert (await t.server_bridge).error is None
+            t.app.close()
+            t.upstream.close()
+
+
+async def test_a_connection_owns_no_bulk_buffers(contexts) -> None:
+    """Idle pooled connections are cheap: the 768 KiB of read buffers are per thread."""
+    tracemalloc.start()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(hbone_pair(contexts))  # the thread's buffers exist
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(4):
+                await stack.enter_async_context(hbone_pair(contexts))
+            per_pair = (tracemalloc.get_traced_memory()[0] - before) / 4
+    finally:
+        tracemalloc.stop()
+    assert per_pair < 128 * 1024, f"{per_pair / 1024:.0f} KiB per connection pair"
 
 
 @pytest.mark.both_loops
