@@ -721,6 +721,9 @@ def testbed(variants: list[Variant], loop: str, haproxy: bool) -> Iterator[dict[
             "PROXY_MODE": "dedicated",
             "LOCAL_XDS": mesh_config(pods),
             "ZTUNNEL_LOCAL_CA_DIR": ca_dir,
+            # the chart's default level: "connection complete" records only (the tests'
+            # access=debug also logs every connection's opening)
+            "RUST_LOG": "info",
         }
         zts: dict[str, Any] = {}
         for a, b, extra in pairs:
