@@ -1,0 +1,76 @@
+"""SocketFactory.connect: connects without the loop's sock_connect; refusals and timeouts become
+UpstreamConnectError with the loops' own error text, and the socket is never left registered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import pytest
+
+from ztunnel.core.addr import SocketAddr, parse_ip
+from ztunnel.core.errors import UpstreamConnectError
+from ztunnel.proxy.sockets import SocketFactory
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _addr(sock: socket.socket) -> SocketAddr:
+    host, port = sock.getsockname()[:2]
+    return SocketAddr(parse_ip(host), port)
+
+
+@pytest.mark.both_loops
+async def test_connect_returns_a_connected_non_blocking_socket() -> None:
+    loop = asyncio.get_running_loop()
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        srv.setblocking(False)
+        sock = await SocketFactory(mark=None).connect(_addr(srv))
+        try:
+            conn, _ = await loop.sock_accept(srv)
+            with conn:
+                assert sock.getpeername() == srv.getsockname()
+                assert sock.getblocking() is False
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                # The fd is no longer registered: registering it again must work.
+                fut = loop.create_future()
+                loop.add_writer(sock.fileno(), fut.set_result, None)
+                await fut
+                loop.remove_writer(sock.fileno())
+        finally:
+            sock.close()
+
+
+@pytest.mark.both_loops
+async def test_connect_refused_reads_like_the_loops_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        target = _addr(s)  # bound, never listening: the connect is refused
+        with pytest.raises(UpstreamConnectError) as info:
+            await SocketFactory(mark=None).connect(target)
+    assert str(info.value) == (
+        f"connection to {target} failed: Connect call failed ('127.0.0.1', {target.port})"
+    )
+
+
+@pytest.mark.both_loops
+async def test_connect_times_out_and_can_be_cancelled() -> None:
+    # A listener with a full accept queue drops further SYNs: the connect hangs (loopback only).
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=0))
+        target = _addr(srv)
+        for _ in range(4):
+            c = stack.enter_context(socket.socket())
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(target.sockaddr())
+        await asyncio.sleep(0.05)
+        factory = SocketFactory(mark=None)
+        with pytest.raises(UpstreamConnectError, match="timed out"):
+            await factory.connect(target, timeout=0.2)
+        task = asyncio.ensure_future(factory.connect(target, timeout=10))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
