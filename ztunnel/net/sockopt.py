@@ -5,12 +5,13 @@ All functions work on plain ``socket.socket`` objects and raise OSError as the k
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 import struct
 from datetime import timedelta
 
-from ztunnel.core.addr import SocketAddr, canonical_ip
+from ztunnel.core.addr import IPAddr, SocketAddr, canonical_ip, parse_ip
 
 SO_ORIGINAL_DST = 80  # SOL_IP; IP6T_SO_ORIGINAL_DST has the same number on SOL_IPV6
 SOL_IP = getattr(socket, "SOL_IP", 0)
@@ -27,18 +28,42 @@ def original_dst(sock: socket.socket) -> SocketAddr:
     """The destination before iptables REDIRECT: SOL_IP, then SOL_IPV6, then the local address
     (reference 1.2). Always canonical (IPv4-mapped IPv6 becomes IPv4)."""
     try:
-        raw = sock.getsockopt(SOL_IP, SO_ORIGINAL_DST, 16)
-        port, packed = struct.unpack_from("!2xH4s", raw)
-        return SocketAddr(ipaddress.IPv4Address(packed), port)
+        return _original_dst_v4(sock.getsockopt(SOL_IP, SO_ORIGINAL_DST, 16))
     except OSError:
         pass
     try:
-        raw = sock.getsockopt(SOL_IPV6, SO_ORIGINAL_DST, 28)
-        port, packed = struct.unpack_from("!2xH4x16s", raw)
-        return SocketAddr(canonical_ip(ipaddress.IPv6Address(packed)), port)
+        return _original_dst_v6(sock.getsockopt(SOL_IPV6, SO_ORIGINAL_DST, 28))
     except OSError:
         pass
-    return SocketAddr.from_sockaddr(sock.getsockname())
+    return _from_sockaddr(sock.getsockname())
+
+
+# Per-connection parsing memoised: a proxy sees the same few destinations and client IPs over and
+# over, and building an ipaddress object (from text, with the IPv4 attempt failing first for the
+# ``::ffff:a.b.c.d`` form a dual-stack listener reports) was a few microseconds per connection.
+# The values are immutable; the caches are bounded.
+@functools.lru_cache(maxsize=1024)
+def _original_dst_v4(raw: bytes) -> SocketAddr:
+    port, packed = struct.unpack_from("!2xH4s", raw)
+    return SocketAddr(ipaddress.IPv4Address(packed), port)
+
+
+@functools.lru_cache(maxsize=1024)
+def _original_dst_v6(raw: bytes) -> SocketAddr:
+    port, packed = struct.unpack_from("!2xH4x16s", raw)
+    return SocketAddr(canonical_ip(ipaddress.IPv6Address(packed)), port)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_host(host: str) -> IPAddr:
+    return parse_ip(host.split("%", 1)[0])
+
+
+def _from_sockaddr(sa: tuple[object, ...]) -> SocketAddr:
+    """``SocketAddr.from_sockaddr`` with the IP parsing memoised."""
+    host, port = sa[0], sa[1]
+    assert isinstance(host, str) and isinstance(port, int)
+    return SocketAddr(_parse_host(host), port)
 
 
 def set_mark(sock: socket.socket, mark: int | None) -> None:
@@ -63,21 +88,32 @@ def set_keepalive(
     retries: int,
     user_timeout: bool = False,
 ) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(time.total_seconds())))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(interval.total_seconds())))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, retries)
+    for level, name, value in keepalive_options(time, interval, retries, user_timeout):
+        sock.setsockopt(level, name, value)
+
+
+def keepalive_options(
+    time: timedelta, interval: timedelta, retries: int, user_timeout: bool = False
+) -> list[tuple[int, int, int]]:
+    """The ``(level, option, value)`` triples :func:`set_keepalive` sets, in order."""
+    opts = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(time.total_seconds()))),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(interval.total_seconds()))),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, retries),
+    ]
     if user_timeout:
         ms = int((time + interval * retries).total_seconds() * 1000)
-        sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, ms)
+        opts.append((socket.IPPROTO_TCP, TCP_USER_TIMEOUT, ms))
+    return opts
 
 
 def peer_addr(sock: socket.socket) -> SocketAddr:
-    return SocketAddr.from_sockaddr(sock.getpeername())
+    return _from_sockaddr(sock.getpeername())
 
 
 def local_addr(sock: socket.socket) -> SocketAddr:
-    return SocketAddr.from_sockaddr(sock.getsockname())
+    return _from_sockaddr(sock.getsockname())
 
 
 def bind_listener(

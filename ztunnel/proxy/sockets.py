@@ -39,6 +39,10 @@ class SocketFactory:
         self.netns_fd = netns_fd
         self.keepalive = keepalive
         self.user_timeout = user_timeout
+        # The option values, computed once rather than from timedeltas on every socket.
+        self._sockopts: tuple[tuple[int, int, int], ...] = _stream_sockopts(
+            mark, keepalive, user_timeout
+        )
         self.transparent_ok: bool | None = None  # learnt on first spoofed connect
 
     @contextlib.contextmanager
@@ -56,11 +60,9 @@ class SocketFactory:
             sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
-            sockopt.set_mark(sock, self.mark)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.keepalive is not None:
-                t, i, n = self.keepalive
-                sockopt.set_keepalive(sock, t, i, n, self.user_timeout)
+            setsockopt = sock.setsockopt
+            for level, name, value in self._sockopts:
+                setsockopt(level, name, value)
         except BaseException:
             sock.close()
             raise
@@ -118,6 +120,20 @@ class SocketFactory:
             if self.transparent_ok is None:
                 log.warning("cannot spoof the client source IP (%s); connecting without it", e)
             self.transparent_ok = False
+
+
+def _stream_sockopts(
+    mark: int | None, keepalive: tuple[timedelta, timedelta, int] | None, user_timeout: bool
+) -> tuple[tuple[int, int, int], ...]:
+    """What ``new_socket`` sets, in order: the mark (``sockopt.set_mark``), TCP_NODELAY, then
+    keepalive as ``sockopt.set_keepalive`` sets it."""
+    opts: list[tuple[int, int, int]] = []
+    if mark:
+        opts.append((socket.SOL_SOCKET, sockopt.SO_MARK, mark))
+    opts.append((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
+    if keepalive is not None:
+        opts.extend(sockopt.keepalive_options(*keepalive, user_timeout))
+    return tuple(opts)
 
 
 async def _connect(sock: socket.socket, address: tuple[str, int], timeout: float) -> None:

@@ -1,0 +1,58 @@
+"""sockopt: addresses read off sockets are canonical (memoised parsing changes nothing), and the
+keepalive options are the ones the Rust ztunnel sets."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from datetime import timedelta
+
+import pytest
+
+from ztunnel.core.addr import SocketAddr
+from ztunnel.net import sockopt
+from ztunnel.proxy.sockets import SocketFactory
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_peer_and_local_addr(host: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, 0), family=family) as srv:
+        for _ in range(2):  # the second time from the cache: same values
+            with socket.create_connection(srv.getsockname()[:2]) as c:
+                conn, _ = srv.accept()
+                with conn:
+                    assert sockopt.peer_addr(conn) == SocketAddr.parse(
+                        f"[{host}]:{c.getsockname()[1]}"
+                        if ":" in host
+                        else f"{host}:{c.getsockname()[1]}"
+                    )
+                    assert sockopt.local_addr(conn) == sockopt.peer_addr(c)
+                    # No REDIRECT here: the original destination is the local address.
+                    assert sockopt.original_dst(conn) == sockopt.local_addr(conn)
+
+
+def test_v4_mapped_peer_is_ipv4() -> None:
+    with socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True) as srv:
+        c = socket.create_connection(("127.0.0.1", srv.getsockname()[1]))
+        conn, _ = srv.accept()
+        with c, conn:
+            assert conn.getpeername()[0] == "::ffff:127.0.0.1"
+            peer = sockopt.peer_addr(conn)
+            assert peer == SocketAddr(ipaddress.IPv4Address("127.0.0.1"), c.getsockname()[1])
+            assert str(peer) == f"127.0.0.1:{c.getsockname()[1]}"
+
+
+def test_keepalive_options_and_new_socket() -> None:
+    t, i, n = timedelta(seconds=180), timedelta(seconds=180), 9
+    opts = sockopt.keepalive_options(t, i, n, user_timeout=True)
+    assert opts[-1] == (socket.IPPROTO_TCP, sockopt.TCP_USER_TIMEOUT, (180 + 180 * 9) * 1000)
+    factory = SocketFactory(mark=None, keepalive=(t, i, n), user_timeout=True)
+    with factory.new_socket(socket.AF_INET) as sock:
+        assert not sock.getblocking()
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        for level, name, value in opts:
+            assert sock.getsockopt(level, name) == value
+    with SocketFactory(mark=None).new_socket(socket.AF_INET6) as sock:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert not sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
