@@ -576,6 +576,11 @@ class Metrics:
             registry=registry,
         )
         self._socket_cells = {r: self.sockets_open.labels(r.value) for r in Reporter}
+        # open_for_record without baggage, memoised by the identity of what the labels derive
+        # from (those objects are kept in the value, so their ids cannot be reused meanwhile):
+        # the label tuple and its cells, instead of ~30 label values and three series lookups
+        # per connection. Bounded; a state update brings new objects, hence new keys.
+        self._series_memo: dict[tuple[object, ...], tuple[_Series, tuple[object, ...]]] = {}
         build = Family(
             "istio_build",
             "Istio component build info.",
@@ -616,8 +621,26 @@ class Metrics:
 
         ``rec.src_identity`` becomes ``source_principal`` only when ``mtls`` (Rust: outbound
         reports its own identity only for HBONE; inbound the verified peer)."""
+        if baggage is None:
+            src_id = rec.src_identity if mtls else None
+            refs = (rec.src_workload, src_id, rec.dst_workload, rec.dst_service, rec.dst_identity)
+            key = (rec.direction, mtls, *map(id, refs))
+            hit = self._series_memo.get(key)
+            if hit is None:
+                series = _Series(self, self._labels_for(rec, mtls, None))
+                if len(self._series_memo) >= _SERIES_MEMO_MAX:
+                    self._series_memo.clear()
+                self._series_memo[key] = (series, refs)
+            else:
+                series = hit[0]
+            return ConnectionMetrics(self, series.labels, series)
+        return ConnectionMetrics(self, self._labels_for(rec, mtls, baggage))
+
+    def _labels_for(
+        self, rec: RecordLike, mtls: bool, baggage: BaggageLike | None
+    ) -> tuple[str, ...]:
         reporter = reporter_for_direction(rec.direction)
-        labels = traffic_labels(
+        return traffic_labels(
             reporter,
             source=rec.src_workload,
             source_identity=rec.src_identity if mtls else None,
@@ -627,7 +650,30 @@ class Metrics:
             destination_identity=rec.dst_identity,
             security_policy=SecurityPolicy.MUTUAL_TLS if mtls else SecurityPolicy.UNKNOWN,
         )
-        return ConnectionMetrics(self, labels)
+
+
+_SERIES_MEMO_MAX = 1024
+
+
+class _Series:
+    """The cells one traffic label set resolves to, from the local pod's perspective."""
+
+    __slots__ = ("closed", "labels", "opened", "recv", "sent")
+
+    def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
+        self.opened = opened = metrics.connections_opened.labels(*labels)
+        # The series' own key, not the caller's tuple: one label tuple (and one copy of each
+        # principal string) per label set, however many connections share it.
+        self.labels = labels = opened.key
+        request = metrics.received_bytes.labels(*labels)
+        response = metrics.sent_bytes.labels(*labels)
+        # Where the local pod's sent/received bytes go: outbound it sends the request and
+        # receives the response; inbound the other way round.
+        if labels[0] == Reporter.SOURCE.value:
+            self.sent, self.recv = request, response
+        else:
+            self.sent, self.recv = response, request
+        self.closed: Cell | None = None  # connections_closed with flag "-", on first use
 
 
 class RecordLike(Protocol):
@@ -660,26 +706,31 @@ class ConnectionMetrics:
     ``-``, ``failed``. Closing twice is a no-op.
     """
 
-    __slots__ = ("_closed", "_recv", "_recv_cell", "_sent", "_sent_cell", "labels", "metrics")
+    __slots__ = (
+        "_closed",
+        "_recv",
+        "_recv_cell",
+        "_sent",
+        "_sent_cell",
+        "_series",
+        "labels",
+        "metrics",
+    )
 
-    def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
-        opened = metrics.connections_opened.labels(*labels)
-        opened.value += 1
+    def __init__(
+        self, metrics: Metrics, labels: tuple[str, ...], series: _Series | None = None
+    ) -> None:
+        if series is None:
+            series = _Series(metrics, labels)
+        series.opened.value += 1
         self.metrics = metrics
-        # The series' own key, not the caller's tuple: one label tuple (and one copy of each
-        # principal string) per label set, however many connections share it.
-        self.labels = labels = opened.key
+        self._series = series
+        self.labels = series.labels
         self._closed = False
         self._sent = 0
         self._recv = 0
-        request = metrics.received_bytes.labels(*labels)
-        response = metrics.sent_bytes.labels(*labels)
-        # Where the local pod's sent/received bytes go: outbound it sends the request and
-        # receives the response; inbound the other way round.
-        if labels[0] == Reporter.SOURCE.value:
-            self._sent_cell, self._recv_cell = request, response
-        else:
-            self._sent_cell, self._recv_cell = response, request
+        self._sent_cell = series.sent
+        self._recv_cell = series.recv
 
     def flush(self, bytes_sent: int, bytes_recv: int) -> None:
         """Report running totals (local pod's perspective); only the increase is counted."""
@@ -707,6 +758,13 @@ class ConnectionMetrics:
             self._sent if bytes_sent is None else bytes_sent,
             self._recv if bytes_recv is None else bytes_recv,
         )
+        if flag is ResponseFlag.NONE and self.labels[_FLAG_INDEX] == flag.value:
+            series = self._series
+            closed = series.closed
+            if closed is None:
+                closed = series.closed = self.metrics.connections_closed.labels(*self.labels)
+            closed.value += 1
+            return
         key = with_flag(self.labels, flag)
         self.metrics.connections_closed.labels(*key).value += 1
         if flag is not ResponseFlag.NONE:

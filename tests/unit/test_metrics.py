@@ -439,3 +439,44 @@ def test_connections_share_their_label_tuple(reg: CollectorRegistry) -> None:
     b = m.open_connection(traffic_labels(Reporter.SOURCE, source=CLIENT, destination=SERVER))
     assert a.labels == b.labels and a.labels is b.labels
     assert m.connections_opened.labels(*a.labels).value == 2
+
+
+def test_open_for_record_memo_matches_the_labels_and_follows_new_objects(
+    reg: CollectorRegistry,
+) -> None:
+    import dataclasses
+
+    class Rec:
+        direction = "outbound"
+        src_workload: Workload = CLIENT
+        dst_workload: Workload = SERVER
+        dst_service = SVC
+        src_identity = CLIENT.identity
+        dst_identity = None
+
+    m = Metrics(reg, process=False)
+    first = m.open_for_record(Rec(), mtls=True)
+    second = m.open_for_record(Rec(), mtls=True)
+    expected = traffic_labels(
+        Reporter.SOURCE,
+        source=CLIENT,
+        source_identity=CLIENT.identity,
+        destination=SERVER,
+        destination_service=SVC,
+        security_policy=SecurityPolicy.MUTUAL_TLS,
+    )
+    assert first.labels == second.labels == expected
+    first.close(1, 2)
+    second.close(3, 4, flag=ResponseFlag.CONNECT)
+    ld = as_dict(expected)
+    assert reg.get_sample_value("istio_tcp_connections_opened_total", ld) == 2
+    assert reg.get_sample_value("istio_tcp_connections_closed_total", ld) == 1
+    failed = {**ld, "response_flags": "CONNECT"}
+    assert reg.get_sample_value("istio_tcp_connections_closed_total", failed) == 1
+    assert reg.get_sample_value("istio_tcp_received_bytes_total", ld) == 4
+    assert reg.get_sample_value("istio_tcp_sent_bytes_total", ld) == 6
+    # A state update brings a new (changed) workload object: its own labels, not the memo's.
+    rec = Rec()
+    rec.dst_workload = dataclasses.replace(SERVER, namespace="elsewhere")
+    third = m.open_for_record(rec, mtls=True)
+    assert as_dict(third.labels)["destination_workload_namespace"] == "elsewhere"
