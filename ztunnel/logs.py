@@ -95,6 +95,21 @@ def current_directives(extra_loggers: tuple[str, ...] | frozenset[str] = ()) -> 
     return format_directives(logging.getLogger().level, targets)
 
 
+def log_fields(logger: logging.Logger, level: int, msg: str, fields: dict[str, object]) -> None:
+    """``logger.log(level, msg, extra={"fields": fields})`` for the per-connection access log,
+    without ``Logger._log``'s caller lookup and ``extra`` merging: the record is built by the
+    record factory and handed to ``logger.handle`` (level check, filters and handlers as usual).
+    The caller shown is ``(unknown file)``, as with :func:`setup`'s ``logging._srcfile = None``;
+    neither format prints it."""
+    if not logger.isEnabledFor(level):
+        return
+    record = logging.getLogRecordFactory()(
+        logger.name, level, "(unknown file)", 0, msg, (), None, "(unknown function)", None
+    )
+    record.fields = fields
+    logger.handle(record)
+
+
 _second: tuple[int, str] = (-1, "")  # the last whole second formatted, and its text
 
 

@@ -38,3 +38,37 @@ def test_timestamps_have_microseconds() -> None:
         r'src\.addr=10\.0\.0\.1:1 error="no route"',
         line,
     ), line
+
+
+def test_log_fields_renders_as_logger_extra_fields() -> None:
+    import io
+
+    from ztunnel.logs import log_fields
+
+    lg = logging.getLogger("access")
+    fields: dict[str, object] = {
+        "src.addr": "10.0.0.1:4321",
+        "bytes_sent": 1,
+        "direction": "outbound",
+    }
+    for formatter in (JsonFormatter(), PlainFormatter()):
+        out = io.StringIO()
+        handler = logging.StreamHandler(out)
+        handler.setFormatter(formatter)
+        lg.addHandler(handler)
+        old_level, lg.level = lg.level, logging.INFO
+        try:
+            lg.info("connection complete", extra={"fields": fields})
+            log_fields(lg, logging.INFO, "connection complete", fields)
+            log_fields(lg, logging.DEBUG, "not shown", fields)  # below the level: nothing
+        finally:
+            lg.removeHandler(handler)
+            lg.level = old_level
+        a, b = out.getvalue().splitlines()
+        if isinstance(formatter, JsonFormatter):
+            ja, jb = json.loads(a), json.loads(b)
+            ja.pop("time"), jb.pop("time")
+            assert ja == jb
+            assert list(ja) == ["level", "scope", "message", "src.addr", "bytes_sent", "direction"]
+        else:
+            assert a.split("\t", 1)[1] == b.split("\t", 1)[1]

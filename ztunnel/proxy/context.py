@@ -7,6 +7,7 @@ In dedicated mode there is one instance for the process; in shared (in-pod) mode
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -19,6 +20,7 @@ from ztunnel.config import Config
 from ztunnel.core.addr import IPAddr, SocketAddr
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
+from ztunnel.logs import log_fields
 from ztunnel.metrics import BaggageLike, ConnectionMetrics, Metrics, flag_for
 from ztunnel.net.copy import CopyCounters, PipePool, copy_bidirectional
 from ztunnel.proxy.sockets import SocketFactory
@@ -97,7 +99,7 @@ class ConnectionRecord:
         peer's certificate is known."""
         # (Addresses are formatted for each line, not kept: three strings per connection would
         # cost more memory, ~190 bytes, than their formatting costs CPU.)
-        out: dict[str, object] = {"src.addr": str(self.src)}
+        out: dict[str, object] = {"src.addr": _addr_text(self.src)}
         if self.src_workload is not None:
             out["src.workload"] = self.src_workload.name
             out["src.namespace"] = self.src_workload.namespace
@@ -109,9 +111,9 @@ class ConnectionRecord:
                 out["src.namespace"] = namespace
         if self.src_identity is not None:
             out["src.identity"] = str(self.src_identity)
-        out["dst.addr"] = str(self.dst)
+        out["dst.addr"] = _addr_text(self.dst)
         if self.hbone_addr is not None:
-            out["dst.hbone_addr"] = str(self.hbone_addr)
+            out["dst.hbone_addr"] = _addr_text(self.hbone_addr)
         if self.dst_service is not None:
             out["dst.service"] = self.dst_service.hostname
         if self.dst_workload is not None:
@@ -143,13 +145,24 @@ class ConnectionRecord:
         f["duration"] = f"{round((time.monotonic() - self.started) * 1000)}ms"
         if error is not None:
             f["error"] = str(error)
-            access_log.error("connection complete", extra={"fields": f})
+            log_fields(access_log, logging.ERROR, "connection complete", f)
         else:
-            access_log.info("connection complete", extra={"fields": f})
+            log_fields(access_log, logging.INFO, "connection complete", f)
 
     def log_cancelled(self) -> None:
         """The connection task was cancelled: by a policy change, a deleted pod or the drain."""
         self.log_complete(self.close_reason or DRAIN_REASON)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ip_text(ip: IPAddr) -> str:
+    return f"[{ip}]" if ip.version == 6 else str(ip)
+
+
+def _addr_text(addr: SocketAddr) -> str:
+    """``str(addr)`` with the IP's text memoised (a proxy sees the same few IPs again and again;
+    ``ipaddress`` formats an address anew for every ``str``)."""
+    return f"{_ip_text(addr.ip)}:{addr.port}"
 
 
 class ConnectionTracker:

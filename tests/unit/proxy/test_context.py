@@ -165,3 +165,11 @@ def test_inbound_from_unknown_source_falls_back_to_baggage(state: State) -> None
     )
     _ctx(state).open_metrics(rec2, mtls=False, baggage=bag)
     assert rec2.fields()["src.workload"] == "client" and "dst.service" not in rec2.fields()
+
+
+@pytest.mark.parametrize("text", ["10.0.0.1:80", "[fd00::1]:15008", "[::ffff:1.2.3.4]:1"])
+def test_access_log_addresses_read_as_str(text: str) -> None:
+    from ztunnel.proxy.context import _addr_text
+
+    addr = SocketAddr.parse(text)
+    assert _addr_text(addr) == _addr_text(addr) == str(addr)
