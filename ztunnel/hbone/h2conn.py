@@ -914,6 +914,41 @@ class H2Connection:
             self._local_end(st)
         return allowed
 
+    def frame_data_in_place(self, stream_id: int, buf: bytearray, n: int) -> int:
+        """Frame ``n`` payload bytes that the caller already placed in ``buf`` as DATA frames, in
+        place; return how many bytes of ``buf`` are frames (``n`` plus 9 per frame).
+
+        The layout: a 9-byte gap for the frame header before every :attr:`max_outbound_frame_size`
+        bytes of payload (payload ``k`` starts at ``9 + k * (frame + 9)``), so a TCP read scattered
+        into those slots (``recvmsg_into``) becomes wire-ready HTTP/2 with no copy. Nothing is queued: the caller writes
+        ``buf[:returned]`` out itself, after :meth:`data_to_send` (frames queued earlier go first).
+        ``n`` must be within :meth:`stream_send_window` (read no more than that); no END_STREAM.
+        """
+        if self._closed:
+            self._check_usable()
+        st = self._streams.get(stream_id)
+        if st is None or st.local_closed:
+            raise StreamClosedError(stream_id)
+        if not st.headers_sent:
+            raise LocalProtocolError(ErrorCode.PROTOCOL_ERROR, "DATA before response headers")
+        cw = self._conn_send_window
+        if not 0 < n <= st.send_window or n > cw:
+            raise LocalProtocolError(
+                ErrorCode.FLOW_CONTROL_ERROR, f"{n} bytes exceed the send window of {stream_id}"
+            )
+        frame = self._send_frame
+        pack_into = _HDR.pack_into
+        pos = 0
+        left = n
+        while left > frame:
+            pack_into(buf, pos, frame << 8, 0, stream_id)
+            pos += 9 + frame
+            left -= frame
+        pack_into(buf, pos, left << 8, 0, stream_id)
+        self._conn_send_window = cw - n
+        st.send_window -= n
+        return pos + 9 + left
+
     def end_stream(self, stream_id: int) -> None:
         """Half-close our side: an empty DATA frame with END_STREAM (the TCP FIN of HBONE)."""
         self.send_data(stream_id, b"", end_stream=True)

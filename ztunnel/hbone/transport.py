@@ -35,11 +35,13 @@ log = logging.getLogger("ztunnel.hbone")
 
 _RECV_SIZE = 256 * 1024
 _PLAIN_SIZE = 512 * 1024
+_TCP_READ = 256 * 1024  # the most a stream reads from its TCP socket at once
 
 
 class _Scratch(threading.local):
-    """The ciphertext read buffer and the plaintext decrypt buffer, one pair per thread (that is,
-    per event loop) shared by all of its HBONE connections.
+    """The ciphertext read buffer and the plaintext decrypt buffer (and the TCP -> HTTP/2 framing
+    buffer, _TxBuffer), one set per thread (that is, per event loop) shared by all of its HBONE
+    connections.
 
     A connection uses them only within one synchronous read callback: ciphertext is copied into
     the TLS memory BIO at once, and plaintext is parsed and written to the streams' sockets before
@@ -53,11 +55,48 @@ class _Scratch(threading.local):
         self.recv = bytearray(_RECV_SIZE)
         self.recv_view = memoryview(self.recv)
         self.plain_view = memoryview(bytearray(_PLAIN_SIZE))
+        # TCP -> HTTP/2 framing buffers by DATA frame size (one in practice: 64 KiB).
+        self._tx: dict[int, _TxBuffer] = {}
+
+    def tx(self, frame: int) -> _TxBuffer:
+        t = self._tx.get(frame)
+        if t is None:
+            t = self._tx[frame] = _TxBuffer(frame)
+        return t
+
+
+class _TxBuffer:
+    """TCP -> HTTP/2 in place: a read is scattered (``recvmsg_into``) into payload slots of
+    ``frame`` bytes with a 9-byte gap before each, ``H2Connection.frame_data_in_place`` writes the
+    frame headers into the gaps, and the frames go to TLS as they lie, encrypted before the read
+    callback returns (so, like _Scratch, one per thread serves every connection)."""
+
+    __slots__ = ("buf", "frame", "full", "read_size", "view")
+
+    def __init__(self, frame: int) -> None:
+        # At most 64 slots per read (the iovec count; only tiny test frame sizes hit it).
+        self.read_size = min(_TCP_READ, 64 * frame)
+        nframes = -(-self.read_size // frame)
+        self.buf = bytearray(self.read_size + 9 * nframes)
+        self.view = memoryview(self.buf)
+        self.frame = frame
+        self.full: list[memoryview] = []
+        for k in range(nframes):
+            pos = k * (frame + 9) + 9
+            self.full.append(self.view[pos : pos + min(frame, self.read_size - k * frame)])
+
+    def slots(self, want: int) -> list[memoryview]:
+        """The payload slots for ``want`` (<= ``read_size``) bytes."""
+        if want >= self.read_size:
+            return self.full
+        k, last = divmod(want, self.frame)
+        if not last:
+            return self.full[:k]
+        return [*self.full[:k], self.full[k][:last]]
 
 
 _scratch = _Scratch()
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
-_TCP_READ = 256 * 1024
 # Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
 # read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
 # it without telling us, so bytes or an error left unread would strand the connection for good.
@@ -148,7 +187,6 @@ class StreamBridge:
         self._h2_eof = False  # the peer sent END_STREAM
         self._fin_sent = False  # shutdown(SHUT_WR) done on the TCP side
         self._pending: list[_PendingWrite] = []
-        self._unsent: memoryview | None = None  # TCP bytes waiting for send window
         self._writer_armed = False
         self._finished = False
         self._error: BaseException | None = None
@@ -201,20 +239,13 @@ class StreamBridge:
         self._finish(error)
 
     def _check_done(self) -> None:
-        if (
-            self._tcp_eof
-            and self._h2_eof
-            and self._fin_sent
-            and not self._pending
-            and self._unsent is None
-        ):
+        if self._tcp_eof and self._h2_eof and self._fin_sent and not self._pending:
             self._finish(None)
 
     # --- TCP -> HTTP/2 ---------------------------------------------------------------------
 
     def _resume_reading(self) -> None:
-        # Bytes still waiting for send window go first; reading more now would reorder them.
-        if not self._reading and not self._tcp_eof and self._unsent is None and not self._finished:
+        if not self._reading and not self._tcp_eof and not self._finished:
             self.conn.loop.add_reader(self.fd, self._on_tcp_readable)
             self._reading = True
 
@@ -231,6 +262,7 @@ class StreamBridge:
         h2c = conn.h2
         sid = self.stream_id
         sock = self.sock
+        scratch = _scratch  # this thread's buffers
         for _ in range(_READ_BATCH):
             if not self._reading:  # (finishing stops reading)
                 return
@@ -242,16 +274,17 @@ class StreamBridge:
             if want <= 0:
                 self._pause_reading()  # resumed on WINDOW_UPDATE
                 return
-            if want > _TCP_READ:
-                want = _TCP_READ
+            tx = scratch.tx(h2c.max_outbound_frame_size)
+            if want > tx.read_size:
+                want = tx.read_size
             try:
-                data = sock.recv(want)
+                n = sock.recvmsg_into(tx.slots(want))[0]
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
                 self.abort(e)
                 return
-            if not data:
+            if not n:
                 self._pause_reading()
                 self._tcp_eof = True
                 with contextlib.suppress(h2.ProtocolError):
@@ -260,19 +293,13 @@ class StreamBridge:
                 self._check_done()
                 return
             try:
-                sent = h2c.send_data(sid, data)
+                size = h2c.frame_data_in_place(sid, tx.buf, n)
             except h2.ProtocolError as e:
                 self.abort(e)
                 return
-            self.tcp_to_h2 += sent
-            self.counters.down_to_up += sent
-            n = len(data)
-            if sent < n:
-                self._unsent = memoryview(data)[sent:]
-                self._pause_reading()
-                conn.flush()
-                return
-            conn.flush()
+            self.tcp_to_h2 += n
+            self.counters.down_to_up += n
+            conn.send_frames(tx.view[:size])
             if n < want:  # drained: see _READ_BATCH
                 if (err := _socket_error(sock)) is not None:
                     self.abort(err)
@@ -280,25 +307,9 @@ class StreamBridge:
         conn.loop.call_soon(self._on_tcp_readable)  # more to read: let others run first
 
     def on_window(self) -> None:
-        """Send capacity grew: push what was waiting, then read TCP again."""
-        if self._finished:
-            return
-        if self._unsent is not None:
-            try:
-                sent = self.conn.h2.send_data(self.stream_id, self._unsent)
-            except h2.ProtocolError as e:
-                self.abort(e)
-                return
-            self.tcp_to_h2 += sent
-            self.counters.down_to_up += sent
-            self._unsent = self._unsent[sent:] if sent < len(self._unsent) else None
-            self.conn.flush()
-            if self._unsent is not None:
-                return
-            if self._tcp_eof:
-                self._check_done()
-                return
-        self._resume_reading()
+        """Send capacity grew: read TCP again (reads never take more than the windows allow)."""
+        if not self._finished:
+            self._resume_reading()
 
     # --- HTTP/2 -> TCP ---------------------------------------------------------------------
 
@@ -368,7 +379,6 @@ class StreamBridge:
         if h2.is_clean_reset(code):
             # A clean end: deliver what we have, then FIN; nothing more goes upstream.
             self._tcp_eof = True
-            self._unsent = None
             self._pause_reading()
             self.on_end_stream()
             if not self._finished and not self._pending:
@@ -448,33 +458,52 @@ class HboneConnection:
             return
         bufs = self.h2.data_to_send()
         if bufs:
-            data = bufs[0] if len(bufs) == 1 else b"".join(bufs)
             try:
-                self._tls_write(data)
+                self._tls_write(bufs[0] if len(bufs) == 1 else b"".join(bufs))
             except ssl.SSLError as e:
                 self._fail(e)
                 return
         if self.outbio.pending:
-            record = self.outbio.read()
-            n = 0
-            if not self._out:
-                try:
-                    n = self.sock.send(record)
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError as e:
-                    self._fail(e)
-                    return
-                if n == len(record):
-                    return
-            cipher = memoryview(record)[n:]
-            if self._closing:
-                return  # tearing down: best effort only, never re-arm the writer
-            self._out.append(cipher)
-            self._out_size += len(cipher)
-            if not self._writer_armed:
-                self.loop.add_writer(self.fd, self._on_writable)
-                self._writer_armed = True
+            self._push()
+
+    def send_frames(self, frames: memoryview) -> None:
+        """Encrypt ``frames`` (wire-ready HTTP/2, after anything HTTP/2 queued) and push them.
+
+        ``frames`` is encrypted before this returns and never kept: the caller may reuse it."""
+        if self.closed.done():
+            return
+        try:
+            bufs = self.h2.data_to_send()
+            if bufs:
+                self._tls_write(bufs[0] if len(bufs) == 1 else b"".join(bufs))
+            self._tls_write(frames)
+        except ssl.SSLError as e:
+            self._fail(e)
+            return
+        self._push()
+
+    def _push(self) -> None:
+        """Send the ciphertext in the TLS output BIO, queueing what the socket does not take."""
+        record = self.outbio.read()
+        n = 0
+        if not self._out:
+            try:
+                n = self.sock.send(record)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                self._fail(e)
+                return
+            if n == len(record):
+                return
+        cipher = memoryview(record)[n:]
+        if self._closing:
+            return  # tearing down: best effort only, never re-arm the writer
+        self._out.append(cipher)
+        self._out_size += len(cipher)
+        if not self._writer_armed:
+            self.loop.add_writer(self.fd, self._on_writable)
+            self._writer_armed = True
 
     def _on_writable(self) -> None:
         while self._out:

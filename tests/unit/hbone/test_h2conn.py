@@ -301,6 +301,43 @@ def test_send_data_does_not_copy_payloads() -> None:
     assert max(len(f[3]) for f in frames) == 32768
 
 
+def test_frame_data_in_place() -> None:
+    c, s = connected_pair()
+    sid = open_tunnel(c, s)
+    frame = c.max_outbound_frame_size
+    payload = os.urandom(2 * frame + 1000)
+    buf = bytearray(len(payload) + 3 * 9)
+    for k in range(3):  # the payload slots: a 9-byte gap before each frame's worth
+        chunk = payload[k * frame : (k + 1) * frame]
+        pos = 9 + k * (frame + 9)
+        buf[pos : pos + len(chunk)] = chunk
+    queued = c.data_to_send()  # nothing is queued by frame_data_in_place
+    size = c.frame_data_in_place(sid, buf, len(payload))
+    assert size == len(buf) and c.data_to_send() == [] and not queued
+    assert c.stream_send_window(sid) == 4 * MiB - len(payload)
+    assert c.connection_send_window == 16 * MiB - len(payload)
+    assert [(f[0], f[1], f[2], len(f[3])) for f in parse_frames(bytes(buf))] == [
+        (DATA, 0, sid, frame),
+        (DATA, 0, sid, frame),
+        (DATA, 0, sid, 1000),
+    ]
+    ev = s.receive_data(bytes(buf[:size]))
+    assert b"".join(bytes(e.data) for e in of(ev, DataReceived)) == payload
+    # one frame, smaller than a slot
+    assert c.frame_data_in_place(sid, buf, 5) == 14
+    assert parse_frames(bytes(buf[:14]))[0][:3] == (DATA, 0, sid)
+    # never beyond the windows, never on a closed or unknown stream
+    with pytest.raises(LocalProtocolError):
+        c.frame_data_in_place(sid, bytearray(8 * MiB), c.stream_send_window(sid) + 1)
+    with pytest.raises(LocalProtocolError):
+        c.frame_data_in_place(sid, buf, 0)
+    c.end_stream(sid)
+    with pytest.raises(StreamClosedError):
+        c.frame_data_in_place(sid, buf, 5)
+    with pytest.raises(StreamClosedError):
+        c.frame_data_in_place(99, buf, 5)
+
+
 def test_received_data_is_a_view_of_the_input() -> None:
     c, s = connected_pair()
     sid = open_tunnel(c, s)

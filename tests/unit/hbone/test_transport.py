@@ -86,7 +86,11 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def hbone_pair(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> AsyncIterator[Pair]:
+async def hbone_pair(
+    contexts: tuple[ssl.SSLContext, ssl.SSLContext],
+    client_h2: dict[str, int] | None = None,
+    server_h2: dict[str, int] | None = None,
+) -> AsyncIterator[Pair]:
     loop = asyncio.get_running_loop()
     tc, ts = tcp_pair()
     (cs, ci, co), (ss, si, so) = await asyncio.gather(
@@ -105,9 +109,17 @@ async def hbone_pair(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> AsyncIt
         pair.pending.pop(0).set_result((ev.stream_id, upstream))
 
     server = HboneConnection(
-        ts, ss, si, so, h2.H2Connection(False), on_request=on_request, keepalive=False
+        ts,
+        ss,
+        si,
+        so,
+        h2.H2Connection(False, **(server_h2 or {})),
+        on_request=on_request,
+        keepalive=False,
     )
-    client = HboneConnection(tc, cs, ci, co, h2.H2Connection(True), keepalive=False)
+    client = HboneConnection(
+        tc, cs, ci, co, h2.H2Connection(True, **(client_h2 or {})), keepalive=False
+    )
     pair = Pair(client, server, tc, ts)
     try:
         yield pair
@@ -192,6 +204,36 @@ async def test_bulk_both_ways_crosses_records_and_reads(contexts) -> None:
         assert results[3] == down_data
         cb, sb = await t.client_bridge, await t.server_bridge
         assert cb.error is None and sb.error is None
+        t.app.close()
+        t.upstream.close()
+
+
+@pytest.mark.both_loops
+async def test_small_frames_and_windows_both_ways(contexts) -> None:
+    """TCP reads framed in place with odd frame sizes (and a slot limit below the read size) and
+    reads cut short by small windows: every byte arrives, in order, within the windows."""
+    loop = asyncio.get_running_loop()
+    small = {"send_frame_size": 1000, "initial_window_size": 70_001}
+    async with hbone_pair(contexts, small, {**small, "send_frame_size": 16_385}) as p:
+        t = await p.tunnel()
+        up_data, down_data = payload(3 * MiB + 17, 3), payload(2 * MiB + 5, 4)
+
+        async def send(sock: socket.socket, data: bytes) -> None:
+            await loop.sock_sendall(sock, data)
+            sock.shutdown(socket.SHUT_WR)
+
+        results = await asyncio.gather(
+            send(t.app, up_data),
+            send(t.upstream, down_data),
+            recv_all(t.upstream),
+            recv_all(t.app),
+        )
+        assert results[2] == up_data
+        assert results[3] == down_data
+        cb, sb = await t.client_bridge, await t.server_bridge
+        assert cb.error is None and sb.error is None
+        assert cb.tcp_to_h2 == sb.h2_to_tcp == len(up_data)
+        assert sb.tcp_to_h2 == cb.h2_to_tcp == len(down_data)
         t.app.close()
         t.upstream.close()
 
