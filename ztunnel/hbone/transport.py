@@ -331,7 +331,40 @@ class StreamBridge:
             self.conn.h2.acknowledge_received_data(self.stream_id, flow)
             return
         # The decrypted buffer is reused: keep a private copy of what is left.
-        self._pending.append(_PendingWrite(memoryview(bytes(memoryview(data)[n:])), flow))
+        self._queue(bytes(memoryview(data)[n:]), flow)
+
+    def on_data_list(self, bufs: list[h2.Buffer], size: int, flow: int) -> None:
+        """Several DATA payloads of this stream from one decrypted batch (``size`` bytes in all):
+        one ``sendmsg`` and one acknowledgement instead of a send and an ack for each."""
+        if self._finished:
+            return
+        n = 0
+        if not self._pending:
+            try:
+                n = self.sock.sendmsg(bufs)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as e:
+                self.abort(e)
+                return
+        self.h2_to_tcp += n
+        self.counters.up_to_down += n
+        if n == size:
+            self.conn.h2.acknowledge_received_data(self.stream_id, flow)
+            return
+        # Copy what is left (the decrypted buffer is reused), acknowledged once all is written.
+        rest = bytearray()
+        for buf in bufs:
+            k = len(buf)
+            if n >= k:
+                n -= k
+                continue
+            rest += memoryview(buf)[n:] if n else buf
+            n = 0
+        self._queue(bytes(rest), flow)
+
+    def _queue(self, data: bytes, flow: int) -> None:
+        self._pending.append(_PendingWrite(memoryview(data), flow))
         if not self._writer_armed:
             self.conn.loop.add_writer(self.fd, self._on_tcp_writable)
             self._writer_armed = True
@@ -614,19 +647,36 @@ class HboneConnection:
         self._dispatch(events)
 
     def _dispatch(self, events: list[h2.Event]) -> None:
+        # DATA for bridged streams is gathered per stream and written at the end, or before the
+        # next non-DATA event (which may end or reset a stream): one sendmsg per stream per
+        # decrypted batch. Order within a stream is kept; streams are independent sockets.
+        runs: dict[StreamBridge, list[h2.DataReceived]] | None = None
         for ev in events:
             if isinstance(ev, h2.DataReceived):  # the common case first
                 b = self._bridges.get(ev.stream_id)
                 if b is not None:
-                    b.on_data(ev.data, ev.flow_controlled_length)
-                elif (early := self._early.get(ev.stream_id)) is not None:
+                    if runs is None:
+                        runs = {b: [ev]}
+                    elif (run := runs.get(b)) is None:
+                        runs[b] = [ev]
+                    else:
+                        run.append(ev)
+                        if len(run) >= _MAX_IOV:
+                            del runs[b]
+                            _deliver(b, run)
+                    continue
+                if (early := self._early.get(ev.stream_id)) is not None:
                     # Copied: the decrypt buffer is reused on the next read.
                     early.append(
                         h2.DataReceived(ev.stream_id, bytes(ev.data), ev.flow_controlled_length)
                     )
                 else:
                     self.h2.acknowledge_received_data(ev.stream_id, ev.flow_controlled_length)
-            elif isinstance(ev, h2.WindowUpdated):
+                continue
+            if runs:
+                _deliver_all(runs)
+                runs = None
+            if isinstance(ev, h2.WindowUpdated):
                 if ev.stream_id == 0:
                     for b in list(self._bridges.values()):
                         b.on_window()
@@ -663,6 +713,8 @@ class HboneConnection:
                 self.loop.call_soon(self.close_if_idle)
             elif isinstance(ev, h2.ConnectionTerminated):
                 self._fail(HboneError(f"HTTP/2 connection terminated: {ev.reason}"))
+        if runs:
+            _deliver_all(runs)
 
     # --- keepalive and teardown ------------------------------------------------------------
 
@@ -823,3 +875,25 @@ class HboneConnection:
             b.abort(ConnectionLost("connection closed due to connection drain"))
             raise
         return b
+
+
+_MAX_IOV = 256  # DATA payloads per sendmsg (the kernel takes up to 1024 iovecs)
+
+
+def _deliver(b: StreamBridge, run: list[h2.DataReceived]) -> None:
+    if len(run) == 1:
+        ev = run[0]
+        b.on_data(ev.data, ev.flow_controlled_length)
+        return
+    bufs: list[h2.Buffer] = []
+    size = flow = 0
+    for ev in run:
+        bufs.append(ev.data)
+        size += len(ev.data)
+        flow += ev.flow_controlled_length
+    b.on_data_list(bufs, size, flow)
+
+
+def _deliver_all(runs: dict[StreamBridge, list[h2.DataReceived]]) -> None:
+    for b, run in runs.items():
+        _deliver(b, run)

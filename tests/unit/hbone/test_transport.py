@@ -239,6 +239,35 @@ async def test_small_frames_and_windows_both_ways(contexts) -> None:
 
 
 @pytest.mark.both_loops
+async def test_batched_data_to_a_slow_reader(contexts) -> None:
+    """Many DATA frames per decrypted batch go out in one sendmsg; what a full socket does not
+    take is copied, written later in order, and only then acknowledged (the sender waits)."""
+    loop = asyncio.get_running_loop()
+    small = {"send_frame_size": 4096, "initial_window_size": 1 * MiB}
+    async with hbone_pair(contexts, small, small) as p:
+        t = await p.tunnel()
+        t.upstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        data = payload(8 * MiB + 11, 5)
+
+        async def send() -> None:
+            await loop.sock_sendall(t.app, data)
+            t.app.shutdown(socket.SHUT_WR)
+
+        sender = loop.create_task(send())
+        await asyncio.sleep(0.2)  # the upstream reads nothing yet: the stream window fills up
+        assert p.server._bridges[1]._pending  # (the first stream) copied, not yet written
+        assert await recv_all(t.upstream) == data
+        await sender
+        t.upstream.shutdown(socket.SHUT_WR)
+        assert await recv_all(t.app) == b""
+        cb, sb = await t.client_bridge, await t.server_bridge
+        assert cb.error is None and sb.error is None
+        assert sb.h2_to_tcp == len(data)
+        t.app.close()
+        t.upstream.close()
+
+
+@pytest.mark.both_loops
 async def test_connections_share_read_buffers_without_mixing_data(contexts) -> None:
     """Three HBONE connections, bulk both ways on each at once: their reads interleave on the
     thread's one pair of read/decrypt buffers, and no byte crosses between them."""
