@@ -56,8 +56,11 @@ class SocketFactory:
             yield
 
     def new_socket(self, family: int) -> socket.socket:
-        with self._in_ns():
+        if self.netns_fd is None:  # (no generator-based context manager per connection)
             sock = socket.socket(family, socket.SOCK_STREAM)
+        else:
+            with self._in_ns():
+                sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
             setsockopt = sock.setsockopt
