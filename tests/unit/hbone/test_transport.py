@@ -268,6 +268,35 @@ async def test_batched_data_to_a_slow_reader(contexts) -> None:
 
 
 @pytest.mark.both_loops
+async def test_concurrent_streams_bulk_on_one_connection(contexts) -> None:
+    """Several streams sending at once share TLS writes (records of several streams in one send);
+    each stream's bytes arrive whole and in order, both ways, and the connection stays up."""
+    loop = asyncio.get_running_loop()
+    async with hbone_pair(contexts) as p:
+        tunnels = [await p.tunnel() for _ in range(4)]
+
+        async def send(sock: socket.socket, data: bytes) -> None:
+            await loop.sock_sendall(sock, data)
+            sock.shutdown(socket.SHUT_WR)
+
+        ups = [payload(2 * MiB + i, 10 + i) for i in range(4)]
+        downs = [payload(MiB + 3 * i, 20 + i) for i in range(4)]
+        jobs = []
+        for t, up, down in zip(tunnels, ups, downs, strict=True):
+            jobs += [send(t.app, up), send(t.upstream, down), recv_all(t.upstream), recv_all(t.app)]
+        results = await asyncio.gather(*jobs)
+        for i in range(4):
+            assert results[4 * i + 2] == ups[i]
+            assert results[4 * i + 3] == downs[i]
+        for t in tunnels:
+            cb, sb = await t.client_bridge, await t.server_bridge
+            assert cb.error is None and sb.error is None
+            t.app.close()
+            t.upstream.close()
+        assert not p.client.closed.done() and p.client.active_streams == 0
+
+
+@pytest.mark.both_loops
 async def test_connections_share_read_buffers_without_mixing_data(contexts) -> None:
     """Three HBONE connections, bulk both ways on each at once: their reads interleave on the
     thread's one pair of read/decrypt buffers, and no byte crosses between them."""
