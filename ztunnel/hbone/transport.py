@@ -352,16 +352,16 @@ class StreamBridge:
         if n == size:
             self.conn.h2.acknowledge_received_data(self.stream_id, flow)
             return
-        # Copy what is left (the decrypted buffer is reused), acknowledged once all is written.
-        rest = bytearray()
+        # Copy what is left, once (the decrypted buffer is reused); acknowledged once written.
+        rest: list[h2.Buffer] = []
         for buf in bufs:
             k = len(buf)
             if n >= k:
                 n -= k
                 continue
-            rest += memoryview(buf)[n:] if n else buf
+            rest.append(memoryview(buf)[n:] if n else buf)
             n = 0
-        self._queue(bytes(rest), flow)
+        self._queue(b"".join(rest), flow)
 
     def _queue(self, data: bytes, flow: int) -> None:
         self._pending.append(_PendingWrite(memoryview(data), flow))
