@@ -71,14 +71,15 @@ def readme_block(doc: dict[str, Any]) -> str:
     env, params = doc["env"], doc["params"]
     head = (env.get("git_head") or "unknown")[:12]
     if env.get("git_dirty"):
-        head += " (with uncommitted changes)"
+        head += " (with uncommitted changes to the code)"
     kind = "quick" if params.get("quick") else "full"
+    target = "bench" if params.get("quick") else "bench-full"
     lines = [
         BEGIN,
         "",
         f"Measured {doc['when']} ({kind} suite, {doc['elapsed_s']:.0f} s) on a {env['cpus']}-vCPU "
         f"VM ({env['cpu_model']}), kernel {env['kernel']}, Python {env['python']}, at commit "
-        f"`{head}`, with `{doc['command']}` (what `sudo make bench` runs). Client, server and "
+        f"`{head}`, with `{doc['command']}` (what `sudo make {target}` runs). Client, server and "
         "proxies share the cores: **compare the per-core rows and the ratios to the peers of the "
         "same run**, not absolute figures. The last column is the Rust ztunnel's published "
         "figures, **measured elsewhere** on other hardware (cited), for scale only.",

@@ -72,6 +72,8 @@ HAP_INPOD_PORT, HAP_INPOD_UID = 15001, 4242
 ST_IPERF, ST_ECHO = 6000, 6100
 ST_TLS_IPERF, ST_TLS_ECHO = 8443, 8444
 
+CODE_PATHS = ("ztunnel", "benchmarks/*.py", "pyproject.toml")  # what a run's commit must hold
+
 # targets, as ratios in the same run
 T_PLAIN_VS_HAPROXY = 1.0
 T_HBONE_VS_STUNNEL = 1.0
@@ -1168,7 +1170,8 @@ def drive(args: argparse.Namespace) -> None:
             "haproxy": bh.tool_version([bh.HAPROXY, "-v"]),
             "stunnel": bh.tool_version(["stunnel", "-version"]),
             "git_head": bh._git("rev-parse", "HEAD"),
-            "git_dirty": bool(bh._git("status", "--porcelain", "--untracked-files=no")),
+            # uncommitted changes to what runs (documentation edits do not count)
+            "git_dirty": bool(bh._git("status", "--porcelain", "-uno", "--", *CODE_PATHS)),
             "load_avg_at_end": os.getloadavg(),
         },
         "params": params,

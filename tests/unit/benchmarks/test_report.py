@@ -100,7 +100,7 @@ def test_block_carries_the_run_and_its_figures() -> None:
 def test_block_flags_uncommitted_changes() -> None:
     doc = copy.deepcopy(DOC)
     doc["env"]["git_dirty"] = True
-    assert "(with uncommitted changes)" in report.readme_block(doc)
+    assert "(with uncommitted changes to the code)" in report.readme_block(doc)
 
 
 @pytest.mark.timeout(10)
