@@ -130,7 +130,40 @@ def run_echo(port: int) -> None:
         runner.run(main())
 
 
-def _crr_worker(ip: str, port: int, start: float, end: float, wfd: int) -> None:
+def fork_clients(
+    procs: int, seconds: float, work: Callable[[float, float], dict[str, Any]]
+) -> tuple[list[dict[str, Any]], float]:
+    """Run ``work(start, end)`` in ``procs`` forked processes, all from one start 150 ms ahead
+    and for ``seconds``. Returns what each returned (None for one that died) and the children's
+    CPU seconds."""
+    start = time.time() + 0.15
+    children: list[tuple[int, int]] = []
+    for _ in range(procs):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            code = 0
+            try:
+                os.write(w, json.dumps(work(start, start + seconds)).encode())
+            except BaseException:
+                code = 1
+            os._exit(code)
+        os.close(w)
+        children.append((pid, r))
+    results: list[dict[str, Any]] = []
+    for pid, r in children:
+        chunks = []
+        while chunk := os.read(r, 1 << 20):
+            chunks.append(chunk)
+        os.close(r)
+        os.waitpid(pid, 0)
+        results.append(json.loads(b"".join(chunks) or b"null"))
+    t = os.times()
+    return results, t.children_user + t.children_system
+
+
+def _crr_worker(ip: str, port: int, start: float, end: float) -> dict[str, Any]:
     addr = (ip, port)
     lat: list[float] = []
     errors = 0
@@ -151,43 +184,21 @@ def _crr_worker(ip: str, port: int, start: float, end: float, wfd: int) -> None:
         n += 1
         if len(lat) < 50_000:
             lat.append(time.perf_counter() - t0)
-    os.write(wfd, json.dumps({"n": n, "errors": errors, "lat": lat}).encode())
-    os.close(wfd)
+    return {"n": n, "errors": errors, "lat": lat}
 
 
 def run_crr(ip: str, port: int, seconds: float, procs: int) -> None:
     """``procs`` forked clients: connect / 1-byte request / 1-byte reply / close until the end.
 
     Prints one JSON line: conns, errors, seconds, p50/p99 latency, the clients' CPU seconds."""
-    start = time.time() + 0.15
-    end = start + seconds
-    children: list[tuple[int, int]] = []
-    for _ in range(procs):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            code = 0
-            try:
-                _crr_worker(ip, port, start, end, w)
-            except BaseException:
-                code = 1
-            os._exit(code)
-        os.close(w)
-        children.append((pid, r))
+    results, cpu = fork_clients(procs, seconds, functools.partial(_crr_worker, ip, port))
     total = errors = 0
     lat: list[float] = []
-    for pid, r in children:
-        chunks = []
-        while chunk := os.read(r, 1 << 20):
-            chunks.append(chunk)
-        os.close(r)
-        os.waitpid(pid, 0)
-        res = json.loads(b"".join(chunks) or b'{"n":0,"errors":1,"lat":[]}')
+    for res in results:
+        res = res or {"n": 0, "errors": 1, "lat": []}
         total += res["n"]
         errors += res["errors"]
         lat += res["lat"]
-    t = os.times()
     lat.sort()
     print(
         json.dumps(
@@ -197,7 +208,7 @@ def run_crr(ip: str, port: int, seconds: float, procs: int) -> None:
                 "seconds": seconds,
                 "p50_us": lat[len(lat) // 2] * 1e6 if lat else 0.0,
                 "p99_us": lat[int(len(lat) * 0.99)] * 1e6 if lat else 0.0,
-                "client_cpu_s": t.children_user + t.children_system,
+                "client_cpu_s": cpu,
             }
         ),
         flush=True,

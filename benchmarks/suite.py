@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -304,8 +305,7 @@ def _hs_worker(
     authority: str | None,
     start: float,
     end: float,
-    wfd: int,
-) -> None:
+) -> dict[str, Any]:
     n = errors = 0
     while time.time() < start:
         time.sleep(0.001)
@@ -316,8 +316,7 @@ def _hs_worker(
             ok = False
         n += 1
         errors += not ok
-    os.write(wfd, json.dumps({"n": n, "errors": errors}).encode())
-    os.close(wfd)
+    return {"n": n, "errors": errors}
 
 
 def run_hs(args: argparse.Namespace) -> None:
@@ -340,36 +339,11 @@ def run_hs(args: argparse.Namespace) -> None:
         ctx.options |= ssl.OP_NO_TICKET  # every connection a full handshake, as ztunnel's
         ctx.load_verify_locations(args.ca)
         ctx.load_cert_chain(args.leaf)
-    addr = (args.ip, args.port)
-    start = time.time() + 0.15
-    end = start + args.seconds
-    children: list[tuple[int, int]] = []
-    for _ in range(args.procs):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            code = 0
-            try:
-                _hs_worker(ctx, addr, args.authority, start, end, w)
-            except BaseException:
-                code = 1
-            os._exit(code)
-        os.close(w)
-        children.append((pid, r))
-    total = errors = 0
-    for pid, r in children:
-        raw = b""
-        while chunk := os.read(r, 1 << 16):
-            raw += chunk
-        os.close(r)
-        os.waitpid(pid, 0)
-        res = json.loads(raw or b'{"n": 0, "errors": 1}')
-        total += res["n"]
-        errors += res["errors"]
-    t = os.times()
-    out = {"conns": total, "errors": errors, "seconds": args.seconds}
-    out["client_cpu_s"] = t.children_user + t.children_system
+    work = functools.partial(_hs_worker, ctx, (args.ip, args.port), args.authority)
+    results, cpu = bh.fork_clients(args.procs, args.seconds, work)
+    total = sum(r["n"] for r in results if r)
+    errors = sum(r["errors"] if r else 1 for r in results)
+    out = {"conns": total, "errors": errors, "seconds": args.seconds, "client_cpu_s": cpu}
     print(json.dumps(out), flush=True)
 
 
