@@ -5,13 +5,11 @@
 # Results: benchmarks/results/suite.{json,md,*.png}; then the README's table is regenerated.
 bench:
 	bash scripts/install-deps.sh
-	python3 -m pip install -q --disable-pip-version-check matplotlib
 	python3 benchmarks/suite.py --quick
 	python3 benchmarks/report.py
 
 bench-full:
 	bash scripts/install-deps.sh
-	python3 -m pip install -q --disable-pip-version-check matplotlib
 	python3 benchmarks/suite.py
 	python3 benchmarks/report.py
 

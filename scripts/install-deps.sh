@@ -19,4 +19,6 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+# Every Python package any checked file imports is declared in pyproject.toml: the package's own
+# dependencies, the test tools (dev) and the benchmarks' plotting (bench, type-checked by mypy).
+python3 -m pip install -q --disable-pip-version-check -e ".[dev,bench]"
