@@ -186,19 +186,21 @@ def _resolve_gateway(
     source: Workload | None,
     rng: random.Random | None,
     not_found: type[UnknownWaypoint] | type[UnknownNetworkGateway] = UnknownWaypoint,
-) -> tuple[Workload, Service | None, IPAddr]:
+) -> tuple[Workload, Service | None, SocketAddr]:
     """Rust ``fetch_waypoint`` (and, with ``not_found=UnknownNetworkGateway``,
     ``fetch_network_gateway``, which load-balances a gateway service in standard mode): the
-    workload, the service it was picked from (for its SANs), and the IP to dial. A reference by
-    IP is dialled in that IP's family; one by hostname adapts to the original destination's."""
+    workload, the service it was picked from (for its SANs), and the address to dial: the HBONE
+    port of a workload, or the port a service maps ``hbone_mtls_port`` to on the endpoint
+    (``find_upstream_from_service``). A reference by IP is dialled in that IP's family; one by
+    hostname adapts to the original destination's."""
     found = state.find_gateway(gw)
     family = gw.address.address.version if gw.address is not None else dst.ip.version
     if isinstance(found, Workload):
         if gw.address is not None and gw.address.address in found.addresses:
-            return found, None, gw.address.address
+            return found, None, SocketAddr(gw.address.address, gw.hbone_mtls_port)
         ip = _ip_of_family(found, family)
         if ip is not None:
-            return found, None, ip
+            return found, None, SocketAddr(ip, gw.hbone_mtls_port)
     elif isinstance(found, Service):
         picked = state.load_balance(
             found, gw.hbone_mtls_port, source, rng, for_waypoint=not_found is UnknownWaypoint
@@ -206,7 +208,7 @@ def _resolve_gateway(
         if picked is not None:
             ip = _ip_of_family(picked[0], family)
             if ip is not None:
-                return picked[0], found, ip
+                return picked[0], found, SocketAddr(ip, picked[1])
     raise not_found(_gw_name(gw))
 
 
@@ -250,13 +252,13 @@ def _to_waypoint(
     destination (VIP or workload address and the port the app dialled, not translated), the
     waypoint's identity and its service's SANs expected. The destination workload (access log,
     metrics) is the waypoint; the destination service the one addressed, if any."""
-    wp, wp_svc, ip = _resolve_gateway(state, gw, dst, source, rng)
+    wp, wp_svc, target = _resolve_gateway(state, gw, dst, source, rng)
     if source is not None and wp.network != source.network and service is not None:
         # Rust: "picked a waypoint on remote network" -> through that network's gateway
         return _through_gateway(state, wp, service, dst, source, rng, sans_of=wp_svc, waypoint=True)
     return Route(
         RouteKind.HBONE,
-        SocketAddr(ip, gw.hbone_mtls_port),
+        target,
         authority=dst,
         expected_identities=(wp.identity, *_service_sans(wp_svc)),
         destination_workload=wp,
@@ -288,11 +290,11 @@ def _through_gateway(
             f"no valid routing destination for workload: {upstream.uid} is on network "
             f"{upstream.network!r} and has no network gateway"
         )
-    gwl, gw_svc, ip = _resolve_gateway(state, gw, dst, source, rng, UnknownNetworkGateway)
+    gwl, gw_svc, target = _resolve_gateway(state, gw, dst, source, rng, UnknownNetworkGateway)
     final = _service_sans(sans_of)
     return Route(
         RouteKind.DOUBLE_HBONE,
-        SocketAddr(ip, gw.hbone_mtls_port),
+        target,
         authority=HostnameAuthority(service.hostname, dst.port),
         expected_identities=(gwl.identity, *_service_sans(gw_svc)),
         final_identities=final or (upstream.identity,),

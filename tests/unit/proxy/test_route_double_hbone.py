@@ -39,6 +39,26 @@ workloads:
   networkGateway: {destination: "remote/10.1.0.9", hboneMtlsPort: 15008}
   services:
     "default/remote.default.svc.cluster.local": {8080: 8080}
+# double_hbone2: the gateway named by its service's hostname, 15009 -> 15008 on the endpoint
+- uid: c//v1/Pod/default/ew-gtw-pod
+  name: ew-gtw-pod
+  namespace: default
+  serviceAccount: actual-ew-gtw
+  workloadIps: ["10.1.0.10"]
+  network: remote
+  protocol: HBONE
+  services:
+    "default/ew-gtw-svc.default.svc.cluster.local": {15009: 15008}
+- uid: c//v1/Pod/default/local-remote-workload-svc-gtw
+  name: local-remote-workload-svc-gtw
+  namespace: default
+  network: remote
+  protocol: HBONE
+  networkGateway:
+    destination: {namespace: default, hostname: ew-gtw-svc.default.svc.cluster.local}
+    hboneMtlsPort: 15009
+  services:
+    "default/remote-svc-gtw.default.svc.cluster.local": {8080: 8080}
 - uid: c//v1/Pod/default/lost
   name: lost
   namespace: default
@@ -54,6 +74,17 @@ services:
   vips: ["/10.96.0.30"]
   ports: {8080: 8080}
   subjectAltNames: ["spiffe://cluster.local/ns/default/sa/echo"]
+- name: remote-svc-gtw
+  namespace: default
+  hostname: remote-svc-gtw.default.svc.cluster.local
+  vips: ["/10.96.0.32"]
+  ports: {8080: 8080}
+  subjectAltNames: ["spiffe://cluster.local/ns/default/sa/echo"]
+- name: ew-gtw-svc
+  namespace: default
+  hostname: ew-gtw-svc.default.svc.cluster.local
+  vips: ["/10.96.0.33"]
+  ports: {15009: 15008}
 - name: lost
   namespace: default
   hostname: lost.default.svc.cluster.local
@@ -96,6 +127,15 @@ def test_service_without_sans_expects_the_remote_workload_identity(state: State)
     state.upsert_service(dataclasses.replace(svc, subject_alt_names=()))
     r = route(state, "10.96.0.30:8080")
     assert r.final_identities == (Identity("cluster.local", "default", "actual-ew-gtw"),)
+
+
+def test_gateway_named_by_service_hostname(state: State) -> None:
+    """Rust double_hbone2: the gateway service is load-balanced in standard mode on the
+    gateway's hbone_mtls_port (15009), dialled at the port the endpoint maps it to (15008)."""
+    r = route(state, "10.96.0.32:8080")
+    assert r.kind is RouteKind.DOUBLE_HBONE
+    assert str(r.target) == "10.1.0.10:15008"
+    assert r.authority == HostnameAuthority("remote-svc-gtw.default.svc.cluster.local", 8080)
 
 
 def test_unknown_network_gateway(state: State) -> None:
