@@ -44,6 +44,11 @@ pytestmark = [
 
 REMOTE_VIP = "10.96.0.40"
 REMOTE_HOSTNAME = "remote.default.svc.cluster.local"
+# double_hbone2: a service whose remote endpoint names its gateway by the gateway's service
+# hostname, on port 15009 that the gateway maps to 15008
+REMOTE2_VIP = "10.96.0.42"
+REMOTE2_HOSTNAME = "remote-svc-gtw.default.svc.cluster.local"
+GW_SVC_HOSTNAME = "ew-gtw-svc.default.svc.cluster.local"
 AUTHORITY = f"{REMOTE_HOSTNAME}:8080"
 MESSAGE = b"waypoint\n"  # what the destination's HBONE server answers first (Rust's helper)
 SA_A = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-a"
@@ -58,16 +63,28 @@ def config(pods: dict[str, Pod]) -> str:
         + workload_yaml(a, "sa-a")
         # the gateway of network "remote", as the local cluster sees it
         + workload_yaml(gw, "actual-ew-gtw", network="remote")
+        + f'  services:\n    "default/{GW_SVC_HOSTNAME}": {{15009: 15008}}\n'
         # the local view of the remote workload: no IP of its own, only its gateway
         + "- uid: cluster1//v1/Pod/default/local-remote-workload\n"
         + "  name: local-remote-workload\n  namespace: default\n"
         + "  serviceAccount: actual-ew-gtw\n  network: remote\n  protocol: HBONE\n"
         + f'  networkGateway: {{destination: "remote/{gw.ip4}", hboneMtlsPort: 15008}}\n'
         + f'  services:\n    "default/{REMOTE_HOSTNAME}": {{8080: 8080}}\n'
+        + "- uid: cluster1//v1/Pod/default/local-remote-workload-svc-gtw\n"
+        + "  name: local-remote-workload-svc-gtw\n  namespace: default\n"
+        + "  network: remote\n  protocol: HBONE\n"
+        + f"  networkGateway: {{destination: {{namespace: default, hostname: {GW_SVC_HOSTNAME}}},"
+        + " hboneMtlsPort: 15009}\n"
+        + f'  services:\n    "default/{REMOTE2_HOSTNAME}": {{8080: 8080}}\n'
         + "services:\n"
         + f"- name: remote\n  namespace: default\n  hostname: {REMOTE_HOSTNAME}\n"
         + f'  vips: ["/{REMOTE_VIP}"]\n  ports: {{8080: 8080}}\n'
         + f'  subjectAltNames: ["{SA_ECHO}"]\n'
+        + f"- name: remote-svc-gtw\n  namespace: default\n  hostname: {REMOTE2_HOSTNAME}\n"
+        + f'  vips: ["/{REMOTE2_VIP}"]\n  ports: {{8080: 8080}}\n'
+        + f'  subjectAltNames: ["{SA_ECHO}"]\n'
+        + f"- name: ew-gtw-svc\n  namespace: default\n  hostname: {GW_SVC_HOSTNAME}\n"
+        + '  vips: ["/10.96.0.41"]\n  ports: {15009: 15008}\n'
     )
 
 
@@ -171,6 +188,26 @@ def test_double_hbone(bed: Bed) -> None:
     }
     assert {k: rec.get(k) for k in want} == want, rec
     assert "error" not in rec
+
+
+def test_double_hbone_gateway_by_service_hostname(bed: Bed) -> None:
+    """Rust double_hbone2: the gateway is a service named by hostname; the outer tunnel goes to
+    its endpoint on the port the endpoint maps 15009 to (15008)."""
+    data = b"via a gateway service\n"
+    since = len(bed.m.zta.records)
+    with no_leaks(bed.m.zta), connect_from(bed.m.a, REMOTE2_VIP, 8080, timeout=10) as s:
+        s.sendall(data)
+        s.shutdown(1)
+        assert recv_all(s, timeout=10) == MESSAGE + data
+    rec = bed.m.zta.wait_for(
+        lambda r: (
+            r.get("message") == "connection complete"
+            and r.get("dst.hbone_addr") == f"{REMOTE2_HOSTNAME}:8080"
+        ),
+        start=since,
+    )
+    assert rec["dst.addr"] == f"{bed.m.pods['gw'].ip4}:15008"
+    assert rec["dst.identity"] == SA_ECHO and "error" not in rec
 
 
 def test_double_hbone_inner_identity_is_checked(bed: Bed, tmp_path: Path) -> None:
