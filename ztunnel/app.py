@@ -277,18 +277,32 @@ class App:
             raise StartupError(f"cannot bind the admin/stats/readiness servers: {e}") from None
 
     def _workload_state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for inst in self._instances():
-            out[inst.name] = {
-                "info": {
-                    "name": inst.info.name,
-                    "namespace": inst.info.namespace,
-                    "serviceAccount": inst.info.service_account,
-                },
-                "state": "Up",
-                "connections": inst.active_connections,
-            }
-        return out
+        """``workloadState``: in-pod, every pod the node agent handed over, keyed by its uid (as
+        Rust); dedicated mode (Rust has none) shows its one workload, keyed by its uid."""
+        from ztunnel.admin.config_dump import ProxyView, workload_state
+
+        views: list[ProxyView] = []
+        if self.inpod is not None:
+            for uid, pod in self.inpod.pods.items():
+                inst = pod.proxy
+                views.append(
+                    ProxyView(
+                        uid,
+                        pod.info.name,
+                        pod.info.namespace,
+                        pod.info.service_account,
+                        "Up" if inst is not None else "Pending",
+                        inst.ctx.tracker.live if inst is not None else None,
+                    )
+                )
+        elif (inst := self.dedicated) is not None:
+            wl = inst.workload()
+            key = wl.uid if wl is not None and wl.uid else inst.name
+            i = inst.info
+            views.append(
+                ProxyView(key, i.name, i.namespace, i.service_account, "Up", inst.ctx.tracker.live)
+            )
+        return workload_state(views)  # type: ignore[no-any-return]
 
     async def _quit(self) -> None:
         self.request_stop()
