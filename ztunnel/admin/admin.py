@@ -290,7 +290,6 @@ class AdminHandler:
         body = json.dumps(explanation.to_dict(), indent=2)
         return Response(200, body.encode(), "application/json")
 
-
     def debug_connections(self) -> Response:
         body = json.dumps(live_view.connections(self.live()), indent=1)
         return Response(200, body.encode(), "application/json")

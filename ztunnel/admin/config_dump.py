@@ -367,6 +367,11 @@ class ConnectionView(Protocol):
     def src_identity(self) -> Identity | None: ...
 
 
+def _addr_key(a: SocketAddr) -> tuple[int, int, int]:
+    # Rust's SocketAddr order: every V4 before every V6, then address, then port.
+    return (a.ip.version, int(a.ip), a.port)
+
+
 def connections(live: Iterable[ConnectionView]) -> JSON:
     """One proxy's live connections in Rust's shape (``ConnectionManager``'s serialization,
     istio/ztunnel ``src/proxy/connection_manager.rs``): ``inbound`` entries are ``{src,
@@ -385,8 +390,8 @@ def connections(live: Iterable[ConnectionView]) -> JSON:
         else:
             proto = "HBONE" if rec.src_identity is not None else "TCP"
             inbound.append((rec.src, proto, rec.dst, rec.for_host))
-    inbound.sort(key=lambda c: (c[0], c[2], c[1], c[3] or ""))
-    outbound.sort()
+    inbound.sort(key=lambda c: (_addr_key(c[0]), _addr_key(c[2]), c[1], c[3] or ""))
+    outbound.sort(key=lambda c: (_addr_key(c[0]), _addr_key(c[1]), _addr_key(c[2]), c[3]))
     return {
         "inbound": [
             {"src": str(s), "originalDst": host, "actualDst": str(d), "protocol": p}
