@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from ztunnel import __version__
 from ztunnel.admin import AdminHandler, bind_admin
+from ztunnel.admin.admin import istio_version_from_env
 from ztunnel.admin.http import HttpServer
 from ztunnel.admin.logctl import LogControl
 from ztunnel.admin.readiness import Readiness, ReadinessHandler, ReadyToken
@@ -32,7 +33,7 @@ from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
 from ztunnel.inpod.client import ZdsClient
 from ztunnel.inpod.manager import InPodManager
-from ztunnel.metrics import Metrics
+from ztunnel.metrics import Metrics, export_certificate_expiry, export_xds
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import ProxyInstance, instance_factory
 from ztunnel.state.authz import PolicyIndex
@@ -129,7 +130,13 @@ class App:
         if cfg.copy_mode is CopyMode.SPLICE:
             self.pipes = PipePool()
         self.secrets = self._build_secrets()
-        self.metrics = Metrics(self.registry, inpod=cfg.proxy_mode is ProxyMode.SHARED)
+        self.metrics = Metrics(
+            self.registry, inpod=cfg.proxy_mode is ProxyMode.SHARED, tag=istio_version_from_env()
+        )
+        export_xds(self.registry, lambda: self.xds.metrics if self.xds is not None else None)
+        export_certificate_expiry(
+            self.registry, lambda: self.secrets.statuses() if self.secrets is not None else ()
+        )
         self.policies = PolicyIndex.from_state(self.state)
         self.state.subscribe(self._on_state_change)
         self._bind_servers()
