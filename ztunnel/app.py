@@ -274,6 +274,7 @@ class App:
                     explain=lambda q: explain_query(
                         self.state, q, policies=self.policies, network=cfg.network
                     ),
+                    live=lambda: [(i.name, i.ctx.tracker.live) for i in self._instances()],
                 )
                 self.servers.append(bind_admin(handler, port=cfg.admin_port))
         except OSError as e:
