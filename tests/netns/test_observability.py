@@ -1073,6 +1073,56 @@ def test_config_dump_of_a_live_ztunnel(obs: Obs) -> None:
     check_certificate(certs_b[B.principal], B.principal)
 
 
+def test_config_dump_connections_in_dedicated_mode(obs: Obs) -> None:
+    """Rust has no workloadState in dedicated mode; we show the one workload (keyed by its uid)
+    with its live connections, in the shared-mode shape, and istioctl lists them."""
+    from tests.golden import istioctl, table
+    from tests.golden.istioctl_schema import decode
+
+    o = obs
+    with connect_from(o.a, o.b.ip4, ECHO_PORT, timeout=10) as s:
+        s.sendall(b"hi\n")
+        assert recv_exact(s, 3) == b"hi\n"
+        port = s.getsockname()[1]
+        body = http(o.a, "127.0.0.1", 15000, "/config_dump").body
+        body_b = http(o.b, "127.0.0.1", 15000, "/config_dump").body
+    state = json.loads(body)["workloadState"]
+    assert state == {
+        "cluster1//v1/Pod/default/a": {
+            "state": "Up",
+            "connections": {
+                "inbound": [],
+                "outbound": [
+                    {
+                        "src": f"{o.a.ip4}:{port}",
+                        "originalDst": f"{o.b.ip4}:{ECHO_PORT}",
+                        "actualDst": f"{o.b.ip4}:15008",
+                        "protocol": "HBONE",
+                    }
+                ],
+            },
+            "info": {"name": "a", "namespace": "default", "serviceAccount": "sa-a"},
+        }
+    }
+    [inbound] = json.loads(body_b)["workloadState"]["cluster1//v1/Pod/default/b"]["connections"][
+        "inbound"
+    ]
+    assert (inbound["actualDst"], inbound["protocol"]) == (f"{o.b.ip4}:{ECHO_PORT}", "HBONE")
+    decode(json.loads(body))
+    r = istioctl("connections", body)
+    assert r.returncode == 0, r.stderr
+    assert table(r.stdout)[1:] == [
+        [
+            "a.default",
+            "Outbound",
+            f"a.default:{port}",
+            "b.default:15008",
+            f"b.default:{ECHO_PORT}",
+            "HBONE",
+        ]
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # in-pod mode: readiness through a node agent outage, per-pod state in config_dump
 
@@ -1126,11 +1176,12 @@ def test_inpod_readiness_follows_the_node_agent_and_config_dump_shows_pods() -> 
             r = http(node, "127.0.0.1", 15000, "/config_dump")
             assert r.status == 200, r
             dump = json.loads(r.body)
+            # Rust src/inpod/admin.rs: keyed by the ZDS uid; connections in Rust's shape.
             assert dump["workloadState"] == {
-                "default/c1": {
+                "uid-c1": {
                     "info": {"name": "c1", "namespace": "default", "serviceAccount": "sa-c1"},
                     "state": "Up",
-                    "connections": 0,
+                    "connections": {"inbound": [], "outbound": []},
                 }
             }
             assert dump["config"]["proxyMode"] == "shared"

@@ -352,7 +352,8 @@ def test_every_dashboard_metric_is_exported_with_rusts_labels(live: Live) -> Non
         series = series_of(text)
         for name, labels in DASHBOARD.items():
             if labels is None:
-                assert (name in series) == has_dns or not has_dns, name
+                # Until the DNS proxy lands this build has no DNS metrics; then it must.
+                assert (name in series) == has_dns, (name, has_dns)
                 continue
             assert name in series, f"{node}: {name} not exported"
             for names, _, _ in series[name]:
