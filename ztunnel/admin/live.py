@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from ztunnel.core.addr import SocketAddr
+from ztunnel.core.addr import HostnameAuthority, SocketAddr
 from ztunnel.core.identity import Identity
 from ztunnel.state.model import Service, Workload
 
@@ -28,7 +28,7 @@ class LiveConnection(Protocol):
     @property
     def orig_dst(self) -> SocketAddr | None: ...
     @property
-    def hbone_addr(self) -> SocketAddr | None: ...
+    def hbone_addr(self) -> SocketAddr | HostnameAuthority | None: ...
     @property
     def mtls(self) -> bool: ...
     @property

@@ -45,6 +45,14 @@ class UnsupportedRoute(ProxyError):
     pass
 
 
+class UnknownWaypoint(ProxyError):
+    """A service's or workload's waypoint is not in state, or has no usable endpoint (Rust
+    ``Error::UnknownWaypoint``, from ``fetch_waypoint``)."""
+
+    def __init__(self, waypoint: str) -> None:
+        super().__init__(f"unknown waypoint: waypoint {waypoint} not found")
+
+
 class UpstreamConnectError(ProxyError):
     flag = ResponseFlag.CONNECT
     status = 503

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ztunnel.config import ILLEGAL_PORTS
 from ztunnel.core.addr import IPAddr, SocketAddr
-from ztunnel.core.errors import NoHealthyUpstream, SelfCallError, UnsupportedRoute
+from ztunnel.core.errors import NoHealthyUpstream, SelfCallError, UnknownWaypoint, UnsupportedRoute
 from ztunnel.core.identity import Identity
 from ztunnel.state.model import (
     GatewayAddress,
@@ -77,8 +77,11 @@ def decide_outbound(
     net_addr = NetworkAddress(network, dst.ip)
     svc = state.find_service_by_vip(net_addr)
     if svc is not None:
-        if svc.waypoint is not None and not _is_waypoint_of(source, svc.waypoint, state):
-            return _to_waypoint(state, svc.waypoint, dst, source, rng, service=svc)
+        # Rust build_request: a service-addressed connection goes to the service's waypoint
+        # whoever the source is (fetch_service_waypoint has no from-waypoint check).
+        gw = _service_waypoint(svc, rng)
+        if gw is not None:
+            return _to_waypoint(state, gw, dst, source, rng, service=svc)
         picked = state.load_balance(svc, dst.port, source, rng)
         if picked is None:
             mode = svc.load_balancing.mode if svc.load_balancing else LoadBalancerMode.UNSPECIFIED
@@ -91,7 +94,7 @@ def decide_outbound(
     wl = state.find_workload_by_addr(net_addr)
     if wl is not None:
         if wl.waypoint is not None and not _is_waypoint_of(source, wl.waypoint, state):
-            return _to_waypoint(state, wl.waypoint, dst, source, rng, workload=wl)
+            return _to_waypoint(state, wl.waypoint, dst, source, rng)
         return _to_workload(wl, dst.port, None, network, ip=dst.ip)
 
     return Route(RouteKind.PASSTHROUGH, dst)
@@ -142,17 +145,59 @@ def _service_sans(svc: Service | None) -> tuple[Identity, ...]:
     return tuple(out)
 
 
+def _service_waypoint(svc: Service, rng: random.Random | None) -> GatewayAddress | None:
+    """Rust ``fetch_service_waypoint``: one of the weighted waypoints, picked in proportion to
+    its weight (``sample_weighted_waypoint``), else the single ``waypoint``. A weighted set whose
+    weights are all zero cannot be sampled and falls back the same way."""
+    weighted = svc.weighted_waypoints
+    if weighted:
+        total = sum(max(w.weight, 0) for w in weighted)
+        if total > 0:
+            pick = (rng or random).uniform(0, total)
+            for w in weighted:
+                if w.weight <= 0:
+                    continue
+                pick -= w.weight
+                if pick < 0:
+                    return w.destination
+            return next(w.destination for w in reversed(weighted) if w.weight > 0)
+    return svc.waypoint
+
+
 def _resolve_gateway(
-    state: State, gw: GatewayAddress, source: Workload | None, rng: random.Random | None
-) -> tuple[Workload, Service | None]:
+    state: State,
+    gw: GatewayAddress,
+    dst: SocketAddr,
+    source: Workload | None,
+    rng: random.Random | None,
+) -> tuple[Workload, Service | None, IPAddr]:
+    """Rust ``fetch_waypoint``: the waypoint workload, the waypoint service it was picked from
+    (for its SANs), and the IP to dial. A waypoint named by IP is dialled in that IP's family;
+    one named by hostname adapts to the family of the original destination."""
     found = state.find_gateway(gw)
+    family = gw.address.address.version if gw.address is not None else dst.ip.version
     if isinstance(found, Workload):
-        return found, None
-    if isinstance(found, Service):
+        if gw.address is not None and gw.address.address in found.addresses:
+            return found, None, gw.address.address
+        ip = _ip_of_family(found, family)
+        if ip is not None:
+            return found, None, ip
+    elif isinstance(found, Service):
         picked = state.load_balance(found, gw.hbone_mtls_port, source, rng, for_waypoint=True)
         if picked is not None:
-            return picked[0], found
-    raise NoHealthyUpstream(f"waypoint {_gw_name(gw)}")
+            ip = _ip_of_family(picked[0], family)
+            if ip is not None:
+                return picked[0], found, ip
+    raise UnknownWaypoint(_gw_name(gw))
+
+
+def _ip_of_family(wl: Workload, version: int) -> IPAddr | None:
+    """The workload's first IP of that family, else its first IP (Rust ``finalize_upstream``
+    prefers the requested family and falls back to what the workload has)."""
+    for ip in wl.addresses:
+        if ip.version == version:
+            return ip
+    return wl.addresses[0] if wl.addresses else None
 
 
 def _gw_name(gw: GatewayAddress) -> str:
@@ -181,15 +226,23 @@ def _to_waypoint(
     rng: random.Random | None,
     *,
     service: Service | None = None,
-    workload: Workload | None = None,
 ) -> Route:
-    wp, wp_svc = _resolve_gateway(state, gw, source, rng)
+    """Rust ``build_request`` for a waypoint: HBONE to the waypoint, CONNECT to the original
+    destination (VIP or workload address and the port the app dialled, not translated), the
+    waypoint's identity and its service's SANs expected. The destination workload (access log,
+    metrics) is the waypoint; the destination service the one addressed, if any."""
+    wp, wp_svc, ip = _resolve_gateway(state, gw, dst, source, rng)
+    if wp.network != (source.network if source is not None else wp.network):
+        raise UnsupportedRoute(
+            f"waypoint {wp.uid} is on network {wp.network!r}: cross-network (double HBONE) "
+            "routing is not supported yet"
+        )
     return Route(
         RouteKind.HBONE,
-        SocketAddr(_pick_ip(wp), gw.hbone_mtls_port),
+        SocketAddr(ip, gw.hbone_mtls_port),
         authority=dst,
         expected_identities=(wp.identity, *_service_sans(wp_svc)),
-        destination_workload=workload,
+        destination_workload=wp,
         destination_service=service,
         via_waypoint=True,
     )
