@@ -504,3 +504,60 @@ def test_ztunnel_top_once_lists_the_live_connections(live: Live) -> None:
     assert [(x["direction"], x["src"], x["dstIdentity"]) for x in rows] == [
         ("outbound", f"{live.c1.ip4}:{c1_port}", "spiffe://cluster.local/ns/default/sa/sa-s1")
     ]
+
+
+def test_ztunnel_top_live_in_tmux(live: Live) -> None:
+    """The terminal UI itself, in a real terminal (tmux): it refreshes with rates, ``s`` cycles
+    the sort, ``/`` filters, ``q`` quits."""
+    node = live.mesh.nodes["n2"]
+    session = f"ztunnel-top-{os.getpid()}"
+    cmd = f"ip netns exec {node.ns} {sys.executable} -m ztunnel top --admin 127.0.0.1:15000"
+
+    def tmux(*args: str) -> str:
+        r = subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=10)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    def screen_with(text: str, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = tmux("capture-pane", "-p", "-t", session)
+            if text in screen or time.monotonic() > deadline:
+                return screen
+            time.sleep(0.2)
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "320", "-y", "20", cmd],
+        check=True,
+        timeout=10,
+        env=env,
+    )
+    try:
+        screen = screen_with("sort=age")
+        assert "ztunnel top - 127.0.0.1:15000" in screen, screen
+        assert "2 connections (2 in, 0 out)" in screen, screen
+        assert "spiffe://cluster.local/ns/default/sa/sa-c1" in screen, screen
+        # A second refresh has rates (B/s) where the first had "-".
+        live.hbone.sendall(b"more\n")
+        assert recv_line(live.hbone, timeout=10) == "more"
+        time.sleep(2.5)
+        rows = [
+            ln for ln in tmux("capture-pane", "-p", "-t", session).splitlines() if "inbound" in ln
+        ]
+        assert rows and not any(re.search(r" -\s+-$", ln.rstrip()) for ln in rows), rows
+        tmux("send-keys", "-t", session, "s")
+        assert "sort=rate" in screen_with("sort=rate")
+        tmux("send-keys", "-t", session, "/", live.ext.ip4, "Enter")
+        screen = screen_with("filter=")
+        assert "1 shown" in screen and "sa-c1" not in screen, screen
+        tmux("send-keys", "-t", session, "q")
+        deadline = time.monotonic() + 10
+        while (
+            subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode
+            == 0
+        ):
+            assert time.monotonic() < deadline, "q did not quit"
+            time.sleep(0.1)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
