@@ -276,7 +276,7 @@ class App:
                     ),
                     live=lambda: [(i.name, i.ctx.tracker.live) for i in self._instances()],
                 )
-                self.servers.append(bind_admin(handler, port=cfg.admin_port))
+                self.servers.append(bind_admin(handler, port=cfg.admin_port, ipv6=cfg.ipv6_enabled))
         except OSError as e:
             for server in self.servers:
                 for sock in server.socks:

@@ -8,8 +8,9 @@ Everything it shows or triggers comes in as a callable, so the composition root 
 ``state`` and ``config`` for the dump, ``certificates`` (``SecretManager.statuses``), ``static``
 (the local config file, if one was used), ``extra`` sections (in-pod: ``workloadState``),
 ``explain`` (the query of ``/debug/authz`` to an explanation), ``live`` (each proxy's name and
-live connection records, for ``/debug/connections``) and ``on_quit`` (the graceful drain). ``on_quit`` must not close this admin server itself: the ``/quitquitquit`` request is
-still in flight while it runs.
+live connection records, for ``/debug/connections``) and ``on_quit`` (the graceful drain).
+``on_quit`` must not close this admin server itself: the ``/quitquitquit`` request is still in
+flight while it runs.
 """
 
 from __future__ import annotations
