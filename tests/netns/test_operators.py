@@ -561,3 +561,33 @@ def test_ztunnel_top_live_in_tmux(live: Live) -> None:
             time.sleep(0.1)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_pending_pod_in_workload_state(live: Live) -> None:
+    """A pod whose proxy cannot start yet (its 15001 is taken) is ``Pending`` with no
+    connections, as Rust's ``ProxyState`` serializes it, and istioctl still decodes the dump.
+    (Last in this module: the pod is removed again.)"""
+    from ztunnel.inpod.protocol import WorkloadInfo
+
+    agent = live.mesh.agents["n1"]
+    pod = live.mesh.nodes["n1"].add_pod("p1")
+    blocker = listen_in(pod, 15001)
+    try:
+        info = WorkloadInfo(name="p1", namespace="default", service_account="sa-p1")
+        ex = agent.add_pod("uid-p1", info, pod)
+        assert ex.nacked, ex
+        body = live.dump("n1")
+        state = json.loads(body)["workloadState"]
+        assert state["uid-p1"] == {
+            "state": "Pending",
+            "info": {"name": "p1", "namespace": "default", "serviceAccount": "sa-p1"},
+        }
+        assert state["uid-c1"]["state"] == "Up"
+        assert decode(json.loads(body))["workloadState"]["uid-p1"]["state"] == "Pending"
+        r = istioctl("connections", body)
+        assert r.returncode == 0, r.stderr
+        metrics = scrape(live, "n1")
+        assert metric(metrics, "workload_manager_pending_proxy_count") == 1
+    finally:
+        agent.del_pod("uid-p1")
+        blocker.close()
