@@ -262,6 +262,14 @@ class _Strings:
         return i
 
 
+def _pprof_name(func: str) -> str:
+    """pprof simplifies names as C++ and drops ``<...>`` as template arguments, which would
+    leave ``<module>``, ``<lambda>`` or ``<genexpr>`` nameless: ``[module]`` etc. instead."""
+    if func.startswith("<") and func.endswith(">"):
+        return f"[{func[1:-1]}]"
+    return func
+
+
 def pprof(profile: CpuProfile) -> bytes:
     """The gzipped ``perftools.profiles.Profile`` (github.com/google/pprof ``profile.proto``):
     one Function per (file, function), one Location per (function, line), samples leaf first
@@ -285,10 +293,11 @@ def pprof(profile: CpuProfile) -> bytes:
             fid = functions.get(fkey)
             if fid is None:
                 fid = functions[fkey] = len(functions) + 1
+                name = _pprof_name(func)
                 fn = (
                     _int_field(1, fid)
-                    + _int_field(2, strings(func))
-                    + _int_field(3, strings(func))
+                    + _int_field(2, strings(name))
+                    + _int_field(3, strings(name))
                     + _int_field(4, strings(filename))
                     + _int_field(5, first)
                 )

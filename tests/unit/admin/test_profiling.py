@@ -74,6 +74,13 @@ def test_pprof_reads_back_in_go_tool_pprof() -> None:
     assert "/src/a.py" in files and "/src/b.py" in files
 
 
+def test_pprof_keeps_names_in_angle_brackets_visible() -> None:
+    p = profiling.CpuProfile(frequency=100, duration_ns=10**9)
+    p.add((("/x/run.py", "<module>", 1, 3), ("/x/a.py", "<lambda>", 5, 5)), 10**7)
+    top = go_pprof(profiling.pprof(p), "-top")
+    assert "[lambda]" in top and "[module]" in top, top
+
+
 def _spin_here(stop: threading.Event) -> None:
     x = 0
     while not stop.is_set():
