@@ -4,7 +4,10 @@ them): a sampling CPU profile for N seconds and a ``tracemalloc`` heap snapshot.
 CPU: a sampler thread wakes ``frequency`` times a second, reads every other thread's Python stack
 (``sys._current_frames``) and charges each stack with the CPU time its thread used since the
 previous tick (``pthread_getcpuclockid``), so a thread idle in ``epoll`` costs nothing and the
-profile is CPU, not wall time. The result is a **pprof protobuf** (gzipped ``profile.proto``,
+profile is CPU, not wall time. It is a statistical attribution: the CPU a thread used since the
+last tick goes to the stack seen at this tick, which is where the thread gave up the GIL (a
+forced switch inside Python code, or a C call such as the event loop's own ``run`` while uvloop
+dispatches); a higher ``frequency`` sharpens it. The result is a **pprof protobuf** (gzipped ``profile.proto``,
 what ``go tool pprof`` and the Rust ztunnel's endpoint produce; sample types ``samples/count``
 and ``cpu/nanoseconds``), or with ``format=collapsed`` the **collapsed-stack** text that
 ``flamegraph.pl`` and speedscope read (``frame;frame;leaf <cpu microseconds>``).
