@@ -194,7 +194,7 @@ def _log_runtime_stats(app: object) -> None:
 
 def _help(topic: str | None) -> int:
     """Rust ``help()``: the commands and the version; ``ztunnel help <command>``: its options."""
-    from ztunnel.admin.admin import istio_version_from_env
+    from ztunnel.admin.admin import build_info, istio_version_from_env
 
     parser = _parser()
     if topic:
@@ -204,10 +204,11 @@ def _help(topic: str | None) -> int:
             return EXIT_FAILURE
         subs.choices[topic].print_help()
         return EXIT_OK
-    info = version_info()
+    # Rust prints its BuildInfo's Display: version.BuildInfo{Version:"..", ...}.
+    info = build_info(istio_version_from_env())
+    fields = ", ".join(f'{k[0].upper()}{k[1:]}:"{v}"' for k, v in info.items() if k != "gitTag")
     print(
-        f"\nIstio Ztunnel (ztunnel-py {info['version']}, Python {info['python']}, "
-        f"Istio {istio_version_from_env()})\n\n"
+        f"\nIstio Ztunnel (version.BuildInfo{{{fields}}})\n\n"
         "Commands:\n"
         "proxy (default) - Start the ztunnel proxy\n"
         "version         - Print the version of ztunnel\n"

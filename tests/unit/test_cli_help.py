@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(30)
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["help"]) == EXIT_OK
     out = capsys.readouterr().out
-    assert out.startswith("\nIstio Ztunnel (ztunnel-py ")
+    assert out.startswith('\nIstio Ztunnel (version.BuildInfo{Version:"')
+    assert 'PythonVersion:"' in out and 'IstioVersion:"' in out
     for line in (
         "proxy (default) - Start the ztunnel proxy",
         "version         - Print the version of ztunnel",
