@@ -49,6 +49,9 @@ SRV_PROXY = "10.96.1.21"  # ... pod wpp (app tunnel PROXY on 15088)
 PROXY_PORT = 15088
 
 
+EXT_IP = "10.0.0.201"  # the bed's first external host (testing/netns.py add_external)
+
+
 def config(pods: dict[str, Pod]) -> str:
     a, b, wp, wpp = pods["a"], pods["b"], pods["wp"], pods["wpp"]
 
@@ -68,6 +71,9 @@ def config(pods: dict[str, Pod]) -> str:
         + f'    "default/{NAMED_HOSTNAME}": {{81: 9090}}\n'
         + workload_yaml(wp, "wp", applicationTunnel="{protocol: NONE}")
         + workload_yaml(wpp, "wpp", applicationTunnel=f"{{protocol: PROXY, port: {PROXY_PORT}}}")
+        # the external host as a workload, for the origin-network test
+        + "- uid: cluster1//v1/Pod/default/ext-wl\n  name: ext-wl\n  namespace: default\n"
+        + f'  workloadIps: ["{EXT_IP}"]\n  protocol: HBONE\n'
         + server("srv-plain", SRV_PLAIN, wp)
         + server("srv-proxy", SRV_PROXY, wpp)
         + "services:\n"
@@ -165,6 +171,26 @@ def test_svc_hostname_unknown_is_503(bed: Mesh) -> None:
         lambda r: r.get("message") == "connection failed" and "hostname" in str(r.get("error")),
         start=since,
     )
+
+
+@pytest.mark.parametrize(
+    ("origin", "src_workload"), [(None, "ext-wl"), ("", "ext-wl"), ("remote", None)]
+)
+def test_request_from_another_network_has_no_source_workload(
+    bed: Mesh, apps: dict[str, App], origin: str | None, src_workload: str | None
+) -> None:
+    """Rust build_inbound_request: x-forwarded-network naming another network means the request
+    crossed a gateway, so the source address is not looked up as a local workload."""
+    assert bed.ext is not None and bed.ext.ip4 == EXT_IP
+    since = len(bed.ztb.records)
+    headers = [("x-forwarded-network", origin)] if origin is not None else []
+    with no_leaks(bed.ztb), hbone_client(bed) as c:
+        sid = c.request(f"{bed.b.ip4}:8080", headers=headers)
+        assert c.response(sid) == 200
+        c.send(sid, b"x\n", end_stream=True)
+        assert c.read_to_end(sid) == b"x\n"
+    rec = inbound_record(bed.ztb, since, f"{bed.b.ip4}:8080")
+    assert rec.get("src.workload") == src_workload, rec
 
 
 def test_sandwich_waypoint_plain(bed: Mesh, apps: dict[str, App]) -> None:

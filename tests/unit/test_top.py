@@ -92,6 +92,7 @@ class Rec:
     orig_dst = None
     hbone_addr = SocketAddr.parse("10.0.0.2:8080")
     mtls = True
+    double_hbone = False
     src_identity = Identity("cluster.local", "default", "c1")
     dst_identity = Identity("cluster.local", "default", "s1")
     src_workload = None

@@ -364,6 +364,8 @@ class ConnectionView(Protocol):
     @property
     def mtls(self) -> bool: ...
     @property
+    def double_hbone(self) -> bool: ...
+    @property
     def src_identity(self) -> Identity | None: ...
 
 
@@ -379,13 +381,13 @@ def connections(live: Iterable[ConnectionView]) -> JSON:
     named (else null), ``actualDst`` the upstream dialled and ``protocol`` ``HBONE`` when the
     peer had an identity, else ``TCP``; ``outbound`` entries are ``{src, originalDst, actualDst,
     protocol}`` with the captured destination, the next hop (``ip:15008`` for HBONE) and
-    ``TCP``/``HBONE``. Sorted, as Rust's ordered outbound set is (its inbound map is not, so
-    any order is Rust's)."""
+    ``TCP``, ``HBONE`` or ``DOUBLEHBONE``. Sorted, as Rust's ordered outbound set is (its
+    inbound map is not, so any order is Rust's)."""
     inbound: list[tuple[SocketAddr, str, SocketAddr, str | None]] = []
     outbound: list[tuple[SocketAddr, SocketAddr, SocketAddr, str]] = []
     for rec in live:
         if rec.direction == "outbound":
-            proto = "HBONE" if rec.mtls else "TCP"
+            proto = "DOUBLEHBONE" if rec.double_hbone else "HBONE" if rec.mtls else "TCP"
             outbound.append((rec.src, rec.orig_dst or rec.dst, rec.dst, proto))
         else:
             proto = "HBONE" if rec.src_identity is not None else "TCP"

@@ -32,6 +32,8 @@ class LiveConnection(Protocol):
     @property
     def mtls(self) -> bool: ...
     @property
+    def double_hbone(self) -> bool: ...
+    @property
     def src_identity(self) -> Identity | None: ...
     @property
     def dst_identity(self) -> Identity | None: ...
@@ -62,7 +64,7 @@ def row(proxy: str, rec: LiveConnection, now: float) -> dict[str, Any]:
         "id": f"{id(rec):x}-{int(rec.started * 1e6):x}",
         "proxy": proxy,
         "direction": rec.direction,
-        "protocol": "HBONE" if rec.mtls else "TCP",
+        "protocol": "DOUBLEHBONE" if rec.double_hbone else "HBONE" if rec.mtls else "TCP",
         "src": str(rec.src),
         "dst": str(rec.dst),
         "originalDst": str(rec.orig_dst) if rec.orig_dst is not None else None,

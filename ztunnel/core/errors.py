@@ -53,6 +53,18 @@ class UnknownWaypoint(ProxyError):
         super().__init__(f"unknown waypoint: waypoint {waypoint} not found")
 
 
+class NoValidDestination(ProxyError):
+    """Rust ``Error::NoValidDestination``: nowhere to send a connection to this workload."""
+
+
+class UnknownNetworkGateway(ProxyError):
+    """A remote workload's network gateway is not in state (Rust ``Error::UnknownNetworkGateway``,
+    from ``fetch_network_gateway``)."""
+
+    def __init__(self, gateway: str) -> None:
+        super().__init__(f"unknown network gateway: network gateway {gateway} not found")
+
+
 class UpstreamConnectError(ProxyError):
     flag = ResponseFlag.CONNECT
     status = 503

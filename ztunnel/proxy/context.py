@@ -67,6 +67,7 @@ class ConnectionRecord:
     # Outbound: the captured (original) destination when it differs from ``dst`` (a service VIP,
     # a pod's port before HBONE's 15008), for /config_dump's ``originalDst``.
     orig_dst: SocketAddr | None = None
+    double_hbone: bool = False  # outbound through a network gateway (Rust OutboundProtocol)
     src_workload: Workload | None = None
     dst_workload: Workload | None = None
     dst_service: Service | None = None

@@ -18,7 +18,14 @@ from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr, parse_ip
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import BAGGAGE, FORWARDED, baggage, forwarded_host, parse_baggage
+from ztunnel.hbone.headers import (
+    BAGGAGE,
+    FORWARDED,
+    X_FORWARDED_NETWORK,
+    baggage,
+    forwarded_host,
+    parse_baggage,
+)
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
@@ -207,12 +214,19 @@ class InboundHbone:
         except ProxyError as e:
             _reject(conn, sid, src, e.status, e, arrival=arrival)
             return None
+        # Rust build_inbound_request: a request that crossed a network gateway (the inner CONNECT
+        # of double HBONE names another origin network) comes from an address that means
+        # nothing here: the source is known only from its baggage.
+        origin = _header(ev.headers, X_FORWARDED_NETWORK)
+        from_gateway = origin is not None and origin.lower() != network.lower()
         rec = ConnectionRecord(
             "inbound",
             src,
             decided.upstream,
             hbone_addr=target,
-            src_workload=ctx.state.find_workload_by_addr(NetworkAddress(network, src.ip)),
+            src_workload=None
+            if from_gateway
+            else ctx.state.find_workload_by_addr(NetworkAddress(network, src.ip)),
             dst_workload=local,
             dst_service=decided.services[0] if isinstance(target, HostnameAuthority) else None,
             src_identity=peer_id,

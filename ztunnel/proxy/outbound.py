@@ -33,13 +33,14 @@ class Outbound:
         except ProxyError as e:
             log_failed("outbound", src, dst, e)
             return
-        hbone = route.kind is RouteKind.HBONE
+        hbone = route.kind is RouteKind.HBONE or route.kind is RouteKind.DOUBLE_HBONE
         rec = ConnectionRecord(
             "outbound",
             src,
             route.target,
             hbone_addr=route.authority,
             orig_dst=None if dst == route.target else dst,
+            double_hbone=route.kind is RouteKind.DOUBLE_HBONE,
             src_workload=source,
             dst_workload=route.destination_workload,
             dst_service=route.destination_service,

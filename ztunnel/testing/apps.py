@@ -11,6 +11,8 @@ it prints ``READY <port> ...`` once every listener is bound, then serves until S
   answered with one line ``PROXY <src> <dst> <TLV 0xD0 or ->`` before anything else; a
   connection without a valid header gets ``BADPROXY <why>`` and is closed.
 * ``sink``: reads until EOF, then replies ``<count> <sha256>`` and closes (half-close test).
+* ``forward``: a plain TCP forwarder to ``--to <ip>:<port>`` with half-close kept (stands in
+  for a waypoint proxy in the sandbox: it picks the endpoint and sends the bytes on).
 * ``source``: sends ``--bytes`` bytes of ``payload(seed)`` then FIN, keeps reading until the
   client's EOF and prints ``RECEIVED <count> <sha256> <peer_ip>`` on its stdout.
 
@@ -216,6 +218,32 @@ async def _echo(
         await _close(writer)
 
 
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except OSError:
+        pass
+
+
+async def _forward(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int
+) -> None:
+    try:
+        up_reader, up_writer = await asyncio.open_connection(host, port, limit=CHUNK)
+    except OSError:
+        await _close(writer)
+        return
+    try:
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+    finally:
+        await _close(up_writer)
+        await _close(writer)
+
+
 async def _sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     h = Hasher()
     try:
@@ -281,6 +309,13 @@ async def _serve(args: argparse.Namespace) -> None:
         async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             await _sink(r, w)
 
+    elif args.app == "forward":
+        to_host, _, to_port = str(args.to).rpartition(":")
+        to_host = to_host.strip("[]")
+
+        async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await _forward(r, w, to_host, int(to_port))
+
     else:
         nbytes: int = args.bytes
         seed: int = args.seed
@@ -303,7 +338,7 @@ async def _serve(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
     sub = parser.add_subparsers(dest="app", required=True)
-    for name in ("echo", "sink", "source"):
+    for name in ("echo", "sink", "source", "forward"):
         p = sub.add_parser(name)
         p.add_argument("--port", type=int, action="append", help="repeatable; 0 = ephemeral")
         p.add_argument("--host", default="::", help="bind address (default: [::] dual-stack)")
@@ -314,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 action="store_true",
                 help="expect a PROXY v2 header and answer a PROXY line first",
             )
+        if name == "forward":
+            p.add_argument("--to", required=True, help="<ip>:<port> to forward to")
         if name == "source":
             p.add_argument("--bytes", type=int, default=1 << 20)
             p.add_argument("--seed", type=int, default=0)

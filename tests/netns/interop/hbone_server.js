@@ -6,7 +6,11 @@
 // `run_hbone_server` does: CONNECT -> 200, the reply text, then an echo of the stream until
 // END_STREAM, with no connection to the :authority.
 //
-// Usage: node hbone_server.js '<json>' with port, cert, key, ca, trustDomain[, reply].
+// With `forward` ({host, port}) it stands in for a network's east-west gateway in double HBONE:
+// whatever the :authority (a service hostname), the stream is piped to that fixed address, where
+// the destination's own HBONE server terminates the inner tunnel.
+//
+// Usage: node hbone_server.js '<json>' with port, cert, key, ca, trustDomain[, reply, forward].
 // Prints "READY <port>", then one JSON line per stream event.
 'use strict';
 const fs = require('fs');
@@ -52,11 +56,15 @@ server.on('stream', (stream, headers) => {
     baggage: headers.baggage || null,
     forwarded: headers.forwarded || null,
     traceparent: headers.traceparent || null,
+    forwardedNetwork: headers['x-forwarded-network'] ?? null,
     alpn: sock.alpnProtocol,
     tls: sock.getProtocol(),
     clientSan: sock.getPeerCertificate().subjectaltname,
   };
-  const target = info.method === 'CONNECT' ? splitAuthority(info.authority || '') : null;
+  let target = info.method === 'CONNECT' ? splitAuthority(info.authority || '') : null;
+  if (info.method === 'CONNECT' && info.authority && (cfg.reply !== undefined || cfg.forward)) {
+    target = cfg.forward || { host: null, port: null }; // any authority, hostnames included
+  }
   log(info);
   if (target === null) {
     stream.respond({ ':status': 400 }, { endStream: true });

@@ -34,6 +34,7 @@ class Rec:
     for_host: str | None = None
     mtls: bool = False
     src_identity: Identity | None = None
+    double_hbone: bool = False
 
 
 A = SocketAddr.parse
@@ -99,6 +100,10 @@ def test_connections_in_rusts_shape() -> None:
         ],
     }
     assert dump.connections([]) == {"inbound": [], "outbound": []}
+    # Through a network gateway: Rust's OutboundProtocol::DOUBLEHBONE.
+    gw = Rec("outbound", A("127.0.0.1:40009"), A("192.0.2.1:15008"), A("10.0.0.1:80"), mtls=True)
+    gw.double_hbone = True
+    assert dump.connections([gw])["outbound"][0]["protocol"] == "DOUBLEHBONE"
 
 
 def test_workload_state_up_and_pending() -> None:

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ztunnel.core.addr import SocketAddr, parse_ip
-from ztunnel.core.errors import NoHealthyUpstream, SelfCallError, UnsupportedRoute
+from ztunnel.core.errors import NoHealthyUpstream, NoValidDestination, SelfCallError
 from ztunnel.core.identity import Identity
 from ztunnel.proxy.route import Route, RouteKind, decide_outbound
 from ztunnel.state.localconfig import load_local_config
@@ -183,8 +183,9 @@ def test_service_waypoint(state: State) -> None:
     assert r.expected_identities == (Identity("cluster.local", "default", "waypoint"),)
 
 
-def test_cross_network_is_refused_clearly(state: State) -> None:
-    with pytest.raises(UnsupportedRoute, match="cross-network"):
+def test_cross_network_without_gateway_is_refused_clearly(state: State) -> None:
+    """Rust build_request_through_gateway: no network gateway -> NoValidDestination."""
+    with pytest.raises(NoValidDestination, match="no network gateway"):
         route(state, "10.96.0.15:80")
 
 
