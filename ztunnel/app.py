@@ -15,7 +15,7 @@ import os
 import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -28,19 +28,23 @@ from ztunnel.admin.readiness import Readiness, ReadinessHandler, ReadyToken
 from ztunnel.admin.stats import StatsHandler
 from ztunnel.config import Config, CopyMode, ProxyMode
 from ztunnel.core.addr import IPAddr, parse_ip
-from ztunnel.identity.caclient import IstioCAClient
 from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
-from ztunnel.inpod.client import ZdsClient
-from ztunnel.inpod.manager import InPodManager
 from ztunnel.metrics import Metrics, export_certificate_expiry, export_xds
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import ProxyInstance, instance_factory
 from ztunnel.state.authz import PolicyIndex
-from ztunnel.state.localconfig import LocalConfig, load_local_config
 from ztunnel.state.model import TunnelProtocol, Workload
 from ztunnel.state.store import ChangeKind, State, StateChange
-from ztunnel.xds.client import AdsClient, StateUpdater
+
+# The control-plane libraries are imported where used (memory at rest, issue 18): grpclib and the
+# xDS/CA protobufs only when XDS_ADDRESS/CA_ADDRESS are set, the ZDS protobufs only in shared mode,
+# PyYAML only with a local config.
+if TYPE_CHECKING:
+    from ztunnel.identity.caclient import IstioCAClient
+    from ztunnel.inpod.manager import InPodManager
+    from ztunnel.state.localconfig import LocalConfig
+    from ztunnel.xds.client import AdsClient, StateUpdater
 
 log = logging.getLogger("ztunnel.app")
 
@@ -82,6 +86,8 @@ class App:
             text, source = cfg.local_xds, "LOCAL_XDS"
         else:
             return
+        from ztunnel.state.localconfig import load_local_config
+
         try:
             local = load_local_config(text, source)
         except ValueError as e:
@@ -99,6 +105,8 @@ class App:
     def _build_secrets(self) -> SecretManager:
         cfg = self.config
         if cfg.ca_address is not None:
+            from ztunnel.identity.caclient import IstioCAClient
+
             self.ca_client = IstioCAClient.from_config(cfg)
             log.info("certificates from the Istio CA at %s", cfg.ca_address)
             return SecretManager(self.ca_client)
@@ -142,8 +150,10 @@ class App:
         self._bind_servers()
         if cfg.xds_address is not None:
             xds_ready = self.readiness.register("xds")
+            from ztunnel.xds.client import AdsClient
+
             self.xds = AdsClient(
-                cfg, _Updater(self.state, self.secrets, cfg.node_name), env=os.environ
+                cfg, _updater(self.state, self.secrets, cfg.node_name), env=os.environ
             )
             self.xds.start()
             self._spawn(self._when_synced(self.xds, xds_ready))
@@ -174,6 +184,9 @@ class App:
             self.dedicated = proxy
             proxy_ready.done()
         else:
+            from ztunnel.inpod.client import ZdsClient
+            from ztunnel.inpod.manager import InPodManager
+
             self.inpod = InPodManager(build, on_change=lambda: self._inpod_readiness(proxy_ready))
             client = ZdsClient(
                 str(cfg.inpod_uds),
@@ -374,19 +387,25 @@ class App:
         return cut
 
 
-class _Updater(StateUpdater):
-    """Applies xDS to the state and prefetches certificates for this node's HBONE workloads."""
+def _updater(state: State, secrets: SecretManager, node: str) -> StateUpdater:
+    """The xDS state updater; built (and ztunnel.xds imported) only when xDS is configured."""
+    from ztunnel.xds.client import StateUpdater
 
-    def __init__(self, state: State, secrets: SecretManager, node: str) -> None:
-        super().__init__(state)
-        self.secrets = secrets
-        self.node = node
+    class _Updater(StateUpdater):
+        """Applies xDS to the state and prefetches certificates for this node's HBONE workloads."""
 
-    def upsert_workload(self, workload: Workload) -> None:
-        super().upsert_workload(workload)
-        if (
-            self.node
-            and workload.node == self.node
-            and (workload.protocol is TunnelProtocol.HBONE or workload.native_tunnel)
-        ):
-            self.secrets.prefetch(workload.identity)
+        def __init__(self, state: State, secrets: SecretManager, node: str) -> None:
+            super().__init__(state)
+            self.secrets = secrets
+            self.node = node
+
+        def upsert_workload(self, workload: Workload) -> None:
+            super().upsert_workload(workload)
+            if (
+                self.node
+                and workload.node == self.node
+                and (workload.protocol is TunnelProtocol.HBONE or workload.native_tunnel)
+            ):
+                self.secrets.prefetch(workload.identity)
+
+    return _Updater(state, secrets, node)
