@@ -219,6 +219,11 @@ def run_crr(ip: str, port: int, seconds: float, procs: int) -> None:
 # helpers
 
 
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -418,6 +423,7 @@ class Mode:
     pids: dict[str, int] = field(default_factory=dict)  # other proxies to measure (haproxy)
     target: tuple[str, int] | None = None  # iperf3 -c target when not server.ip4:5201
     hello_port: int = 15008  # where the TLS ServerHello comes from
+    rss_rest: dict[str, int] = field(default_factory=dict)  # RSS KiB 7 s after the last tput run
 
     @property
     def dst(self) -> str:
@@ -481,6 +487,7 @@ def run_iperf(mode: Mode, seconds: int) -> dict[str, Any]:
     )  # fmt: skip
     busy1, tot1 = box_busy()
     cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+    rss = {k: _rss_kib(p) for k, p in pids.items()}
     end = json.loads(out.stdout)["end"]
     secs = float(end["sum_received"]["seconds"])
     rbytes = float(end["sum_received"]["bytes"])
@@ -501,6 +508,7 @@ def run_iperf(mode: Mode, seconds: int) -> dict[str, Any]:
         res[f"cpu_{k}_s"] = cpu
         res[f"cores_{k}"] = cpu / secs
         res[f"gbps_per_core_{k}"] = bits / 1e9 / cpu if cpu > 0 else None
+        res[f"rss_kib_{k}"] = rss[k]
     if cpu0:
         res["cpu_s"] = total_cpu
         res["cores"] = total_cpu / secs
@@ -595,6 +603,11 @@ VARIANTS: dict[str, Variant] = {
             "malloc",
             dict(_MALLOC_ENV),
             "product code; glibc MALLOC_MMAP_THRESHOLD_=32M, TRIM_THRESHOLD_=128M, TOP_PAD_=16M",
+        ),
+        Variant(
+            "notrim",
+            {"ZTUNNEL_MALLOC_TRIM_INTERVAL": "0"},
+            "product code; no idle malloc_trim (ZTUNNEL_MALLOC_TRIM_INTERVAL=0)",
         ),
     )
 }
@@ -1123,6 +1136,10 @@ def drive(args: argparse.Namespace) -> None:
                 measure_speed()
         if do_tput:
             measure_speed()
+            time.sleep(7)  # memory left once the load stops (the idle malloc trim runs every 5 s)
+            for m in modes:
+                m.rss_rest = {k: _rss_kib(p) for k, p in m.proxy_pids().items()}
+                print(f"  {m.name}: RSS KiB at rest after tput {m.rss_rest}", file=sys.stderr)
         for rnd in range(rounds if do_crr else 0):
             for m in modes:
                 if m.about:
@@ -1228,6 +1245,8 @@ def report(
                 "pct_of_aes_gcm_a": pct_a,
                 "pct_of_aes_gcm_b": pct_b,
                 "pct_of_aes_gcm_target_met": pct >= 25 if pct is not None else None,
+                "rss_kib_after_tput": {k: med(m.tput, f"rss_kib_{k}") for k in m.rss_rest},
+                "rss_kib_7s_after_tput": m.rss_rest,
                 "cpu_s_per_gib": med(m.tput, "cpu_s_per_gib"),
                 "box_busy_cores": med(m.tput, "box_busy_cores"),
                 "zta_bytes_ratio": ratio_a,

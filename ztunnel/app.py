@@ -43,6 +43,7 @@ from ztunnel.state.store import ChangeKind, State, StateChange
 if TYPE_CHECKING:
     from ztunnel.identity.caclient import IstioCAClient
     from ztunnel.inpod.manager import InPodManager
+    from ztunnel.net.malloc import IdleTrimmer
     from ztunnel.state.localconfig import LocalConfig
     from ztunnel.xds.client import AdsClient, StateUpdater
 
@@ -70,6 +71,7 @@ class App:
     readiness: Readiness = field(default_factory=Readiness)
     servers: list[HttpServer] = field(default_factory=list)
     local_config: LocalConfig | None = None
+    trimmer: IdleTrimmer | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _recheck_scheduled: bool = False
     _snapshot_done: bool = False
@@ -161,6 +163,12 @@ class App:
         for server in self.servers:
             await server.start()
         self._spawn(self._flush_metrics_forever())
+        if (trim := cfg.malloc_trim_interval.total_seconds()) > 0:
+            from ztunnel.net.malloc import IdleTrimmer
+
+            self.trimmer = IdleTrimmer()
+            if self.trimmer.available:
+                self._spawn(self.trimmer.run(trim))
         build = instance_factory(
             cfg, self.state, self.secrets, self.pipes, metrics=self.metrics, policies=self.policies
         )
@@ -338,6 +346,9 @@ class App:
         if self.inpod is not None:
             stats["proxies"] = self.inpod.active
             stats["pending_proxies"] = self.inpod.pending
+        if self.trimmer is not None:
+            stats["malloc_trims"] = self.trimmer.trims
+            stats["malloc_free_kib"] = self.trimmer.free_bytes() >> 10
         if self.pipes is not None:
             stats.update(
                 {f"pipes_{k}": v for k, v in dataclasses.asdict(self.pipes.stats()).items()}

@@ -128,6 +128,8 @@ class Config:
     connection_termination_deadline: timedelta = timedelta(seconds=5)
     copy_mode: CopyMode = CopyMode.SPLICE  # ZTUNNEL_COPY_MODE
     malloc_tuning: bool = True  # ZTUNNEL_MALLOC_TUNING: see ztunnel/net/malloc.py
+    # ZTUNNEL_MALLOC_TRIM_INTERVAL: how often free heap memory is returned to the kernel (0: never)
+    malloc_trim_interval: timedelta = timedelta(seconds=5)
 
     # Observability (the *_port knobs are Python-only, ZTUNNEL_{ADMIN,STATS,READINESS}_PORT: two
     # ztunnels sharing one network namespace, as in tests, need different ones; 0 disables)
@@ -391,6 +393,7 @@ def _build(e: _Env) -> Config:
         connection_termination_deadline=_termination_deadline(e),
         copy_mode=copy_mode,
         malloc_tuning=e.flag("ZTUNNEL_MALLOC_TUNING", True),
+        malloc_trim_interval=e.duration("ZTUNNEL_MALLOC_TRIM_INTERVAL", timedelta(seconds=5)),
         admin_port=e.integer("ZTUNNEL_ADMIN_PORT", ADMIN_PORT, 0, 65535),
         stats_port=e.integer("ZTUNNEL_STATS_PORT", STATS_PORT, 0, 65535),
         readiness_port=e.integer("ZTUNNEL_READINESS_PORT", READINESS_PORT, 0, 65535),
