@@ -649,6 +649,7 @@ class _Session:
     """Both directions of one proxied connection; resolves ``done`` exactly once."""
 
     __slots__ = (
+        "_moved",
         "_open",
         "counters",
         "directions",
@@ -675,6 +676,7 @@ class _Session:
         self.error: OSError | None = None
         self.error_side: Side | None = None
         self.directions: list[_Direction] = []
+        self._moved = (0, 0)
         self._open = 2
 
     def start(self, pipes: PipePool | None) -> None:
@@ -708,7 +710,7 @@ class _Session:
     def fail(self, error: OSError, side: Side) -> None:
         if self.done.done():
             return
-        self.error = error
+        self.error = error.with_traceback(None)
         self.error_side = side
         self._end(abort=True)
 
@@ -720,14 +722,23 @@ class _Session:
         # Callbacks first, then fds: never close an fd that is still registered with the loop.
         for d in self.directions:
             d.stop()
+        # No reference cycles outlive the connection (issue 18): the directions point back at the
+        # session, so the session lets go of them (keeping their byte counts), and an error keeps
+        # no traceback (its frames hold a direction). Refcounting frees all of it, no GC needed.
+        if self.directions:
+            fwd, rev = self.directions
+            self._moved = (fwd.moved, rev.moved)
+            self.directions = []
         for sock in (self.down, self.up):
             _close_socket(sock, abort)
         if not self.done.done():
             self.done.set_result(None)
 
     def result(self) -> CopyResult:
-        fwd, rev = self.directions
-        return CopyResult(fwd.moved, rev.moved, self.error, self.error_side)
+        if self.directions:  # still running
+            fwd, rev = self.directions
+            return CopyResult(fwd.moved, rev.moved, self.error, self.error_side)
+        return CopyResult(*self._moved, self.error, self.error_side)
 
 
 def _close_socket(sock: socket.socket, abort: bool) -> None:
