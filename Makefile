@@ -1,4 +1,4 @@
-.PHONY: bench bench-full test sandbox
+.PHONY: bench bench-full soak test sandbox
 
 # Quick benchmark suite, as root (network namespaces; about 3 minutes): direct, ztunnel TCP,
 # ztunnel HBONE, HAProxy (splice) and a stunnel mTLS pair side by side in one run.
@@ -12,6 +12,13 @@ bench-full:
 	bash scripts/install-deps.sh
 	python3 benchmarks/suite.py
 	python3 benchmarks/report.py
+
+# Memory soak, as root (about 17 minutes; SOAK_ARGS=--quick: about 8): RSS/PSS of each ztunnel
+# under HBONE churn, plaintext churn, 2,000 idle tunnels and xDS workload churn, then at rest.
+# Results: benchmarks/results/soak.{json,md}.
+soak:
+	bash scripts/install-deps.sh
+	python3 benchmarks/soak.py $(SOAK_ARGS)
 
 test:
 	bash scripts/test.sh

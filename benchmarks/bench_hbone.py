@@ -665,7 +665,9 @@ def haproxy_cfg(listen: str, server: str, ca: str, leaf: str, *, tls_in: bool) -
 
 
 @contextlib.contextmanager
-def testbed(variants: list[Variant], loop: str, haproxy: bool) -> Iterator[dict[str, Any]]:
+def testbed(
+    variants: list[Variant], loop: str, haproxy: bool, env: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
     from ztunnel.testing.netns import Testbed
     from ztunnel.testing.proc import ZtunnelProcess
 
@@ -697,6 +699,7 @@ def testbed(variants: list[Variant], loop: str, haproxy: bool) -> Iterator[dict[
             # the chart's default level: "connection complete" records only (the tests'
             # access=debug also logs every connection's opening)
             "RUST_LOG": "info",
+            **(env or {}),
         }
         zts: dict[str, Any] = {}
         for a, b, extra in pairs:

@@ -1,0 +1,457 @@
+"""Memory soak: RSS and PSS of each ztunnel sampled through phases of load, then at rest.
+
+Usage: ``python benchmarks/soak.py [--quick] [--phase-seconds S] [--rest-seconds S]`` (root;
+``make soak``; about 17 minutes by default, 8 with ``--quick``). Results:
+``benchmarks/results/soak.json`` and ``soak.md``.
+
+Two test beds, one after the other:
+
+* the ``bench_hbone.py`` bed (pods ``a``/``b`` with a dedicated ztunnel each, ``c``/``d`` without):
+  ``hbone-churn`` (``bench_hbone.py crr``: connect, 1-byte echo, close, a -> b over HBONE),
+  ``plaintext-churn`` (the same a -> d, ztunnel-a's TCP passthrough) and ``idle-2000`` (2,000
+  idle HBONE connections a -> b opened with ``suite.py idle``, held for the phase, then closed).
+  Here ``POOL_UNUSED_RELEASE_TIMEOUT`` is 10 s (default 5 min), so the pooled HBONE connections
+  are closed during the rest and what remains is memory, not open connections;
+* the ``ztunnel/testing/xdsbed.py`` bed (two nodes, shared-mode ztunnels fed by a fake node agent
+  with a few pods each, xDS and certificates from the fake istiod): ``xds-workload-churn`` (the
+  fake istiod adds and removes batches of workloads on other nodes for the phase). The PSS of
+  these ztunnels at rest, before any load, is the production-like memory at rest.
+
+Before the phases, a few seconds of each load warm the ztunnels up (the first connections build
+what lives as long as the process: the pooled HBONE connection, TLS contexts, certificates).
+Each phase: a baseline (mean of the samples over the last seconds of the rest before it), the
+load, then ``--rest-seconds`` without load. Reported per ztunnel: the RSS slope under load after
+the warm-up (the first third of the phase; least squares, KiB/min) and the residual (mean RSS of
+the last quarter of the rest after the phase minus the baseline). Targets (issue 18): slope under
+10 KiB/min and residual under 2 MiB in every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import bench_hbone as bh  # noqa: E402
+import suite  # noqa: E402
+
+ROOT = bh.ROOT
+RESULTS = ROOT / "benchmarks" / "results"
+T_SLOPE_KIB_PER_MIN = 10.0
+T_RESIDUAL_KIB = 2048.0
+IDLE_CONNS = 2000
+
+
+def mem_kib(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) in KiB from /proc/PID/smaps_rollup."""
+    rss = pss = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Rss:"):
+                rss = int(line.split()[1])
+            elif line.startswith("Pss:"):
+                pss = int(line.split()[1])
+    return rss, pss
+
+
+def smaps_breakdown(pid: int) -> dict[str, int]:
+    """RSS KiB by kind of mapping: the glibc main heap, anonymous maps (thread arenas, pymalloc
+    arenas, big buffers), files (libraries, code) and the rest (stack, vdso)."""
+    out = {"heap": 0, "anon": 0, "file": 0, "other": 0}
+    kind = "other"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                name = head[5] if len(head) > 5 else ""
+                kind = (
+                    "heap" if name == "[heap]" else "anon" if not name
+                    else "file" if name.startswith("/") else "other"
+                )  # fmt: skip
+            elif head and head[0] == "Rss:":
+                out[kind] += int(head[1])
+    return out
+
+
+@dataclass
+class Sampler:
+    """Samples every process in ``pids`` every ``interval`` seconds in a thread."""
+
+    pids: dict[str, int]
+    interval: float = 1.0
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    phase: str = "start"
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            row: dict[str, Any] = {"t": time.monotonic() - self._t0, "phase": self.phase}
+            for name, pid in self.pids.items():
+                with contextlib.suppress(OSError):
+                    row[name] = mem_kib(pid)
+            self.samples.append(row)
+            self._stop.wait(self.interval)
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _slope_kib_per_min(points: list[tuple[float, int]]) -> float | None:
+    if len(points) < 3:
+        return None
+    ts = [t for t, _ in points]
+    vs = [float(v) for _, v in points]
+    mt, mv = statistics.fmean(ts), statistics.fmean(vs)
+    den = sum((t - mt) ** 2 for t in ts)
+    if den == 0:
+        return None
+    return sum((t - mt) * (v - mv) for t, v in zip(ts, vs, strict=True)) / den * 60
+
+
+def _mean(rows: list[dict[str, Any]], name: str, idx: int) -> float | None:
+    vals = [r[name][idx] for r in rows if name in r]
+    return statistics.fmean(vals) if vals else None
+
+
+def analyse(
+    sampler: Sampler, phase: str, t_base: tuple[float, float], t_load: tuple[float, float],
+    t_rest: tuple[float, float],
+) -> dict[str, Any]:  # fmt: skip
+    """Slope after warm-up and residual per process, from the samples of one phase."""
+
+    def within(a: float, b: float) -> list[dict[str, Any]]:
+        return [r for r in sampler.samples if a <= r["t"] <= b]
+
+    warm = t_load[0] + (t_load[1] - t_load[0]) / 3
+    base, load, rest = within(*t_base), within(warm, t_load[1]), within(*t_rest)
+    tail = within(t_rest[1] - (t_rest[1] - t_rest[0]) / 4, t_rest[1])
+    out: dict[str, Any] = {"phase": phase, "load_seconds": t_load[1] - t_load[0], "by_ztunnel": {}}
+    for name in sampler.pids:
+        b_rss, b_pss = _mean(base, name, 0), _mean(base, name, 1)
+        e_rss, e_pss = _mean(tail, name, 0), _mean(tail, name, 1)
+        peak = max((r[name][0] for r in load + rest if name in r), default=None)
+        slope = _slope_kib_per_min([(r["t"], r[name][0]) for r in load if name in r])
+        residual = e_rss - b_rss if e_rss is not None and b_rss is not None else None
+        out["by_ztunnel"][name] = {
+            "rss_kib_before": b_rss,
+            "pss_kib_before": b_pss,
+            "rss_kib_peak": peak,
+            "rss_kib_after_rest": e_rss,
+            "pss_kib_after_rest": e_pss,
+            "slope_kib_per_min": slope,
+            "residual_kib": residual,
+            "pss_residual_kib": e_pss - b_pss if e_pss is not None and b_pss is not None else None,
+            "slope_met": slope is not None and slope < T_SLOPE_KIB_PER_MIN,
+            "residual_met": residual is not None and residual < T_RESIDUAL_KIB,
+        }
+    return out
+
+
+def run_phase(
+    sampler: Sampler, name: str, load: Callable[[float], dict[str, Any]], seconds: float,
+    rest: float,
+) -> dict[str, Any]:  # fmt: skip
+    t_base = (max(0.0, sampler.now() - min(5.0, rest / 2)), sampler.now())
+    maps0 = {zt: smaps_breakdown(pid) for zt, pid in sampler.pids.items()}
+    print(f"phase {name}: {seconds:.0f} s of load, then {rest:.0f} s at rest", file=sys.stderr)
+    sampler.phase = name
+    t0 = sampler.now()
+    info = load(seconds)
+    t1 = sampler.now()
+    sampler.phase = f"{name}/rest"
+    time.sleep(rest)
+    res = analyse(sampler, name, t_base, (t0, t1), (t1, sampler.now()))
+    res["load"] = info
+    for zt, pid in sampler.pids.items():
+        after = smaps_breakdown(pid)
+        res["by_ztunnel"][zt]["rss_kib_by_mapping_before"] = maps0[zt]
+        res["by_ztunnel"][zt]["rss_kib_by_mapping_after"] = after
+        print(f"  {zt}: mappings before {maps0[zt]} after {after}", file=sys.stderr)
+    for zt, r in res["by_ztunnel"].items():
+        print(
+            f"  {zt}: RSS {r['rss_kib_before']:.0f} -> peak {r['rss_kib_peak']} -> "
+            f"{r['rss_kib_after_rest']:.0f} KiB (residual {r['residual_kib']:+.0f}), slope "
+            f"{bh.fmt(r['slope_kib_per_min'], '.1f')} KiB/min",
+            file=sys.stderr,
+        )
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# loads
+
+
+def crr_load(client: Any, ip: str, procs: int) -> Callable[[float], dict[str, Any]]:
+    """New connections in a loop (``bench_hbone.py crr``) for the phase."""
+
+    def load(seconds: float) -> dict[str, Any]:
+        out = client.run(
+            sys.executable, bh.__file__, "crr", "--ip", ip, "--port", str(bh.ECHO_PORT),
+            "--seconds", str(seconds), "--procs", str(procs), timeout=seconds + 120,
+        )  # fmt: skip
+        r = json.loads(out.stdout)
+        return {"conns": r["conns"], "errors": r["errors"], "conn_per_s": r["conns"] / r["seconds"]}
+
+    return load
+
+
+def idle_load(client: Any, ip: str, n: int) -> Callable[[float], dict[str, Any]]:
+    """``n`` idle connections (``suite.py idle``) opened, held for the phase, then closed."""
+
+    def load(seconds: float) -> dict[str, Any]:
+        proc = client.popen(
+            sys.executable, suite.__file__, "idle", "--ip", ip, "--port", str(bh.ECHO_PORT),
+            "--n", str(n), stdin=subprocess.PIPE,
+        )  # fmt: skip
+        t0 = time.monotonic()
+        _, done, errors = proc.wait_for_line("READY", timeout=300).split()
+        open_s = time.monotonic() - t0
+        time.sleep(max(0.0, seconds - open_s))
+        assert proc.popen.stdin is not None
+        proc.popen.stdin.close()
+        proc.popen.wait(timeout=60)
+        return {"opened": int(done), "errors": int(errors), "open_seconds": open_s}
+
+    return load
+
+
+def xds_churn_load(mesh: Any, batch: int, period: float) -> Callable[[float], dict[str, Any]]:
+    """The fake istiod adds ``batch`` workloads (on another node), then removes them, in turn."""
+    from ztunnel.core.addr import parse_ip
+    from ztunnel.state.model import TunnelProtocol, Workload
+    from ztunnel.testing.xdsbed import TRUST_DOMAIN
+
+    istiod = mesh.istiod
+
+    def workloads(gen: int) -> list[Workload]:
+        return [
+            Workload(
+                uid=f"cluster1//v1/Pod/churn/w{gen}-{i}",
+                name=f"w{gen}-{i}",
+                namespace="churn",
+                addresses=(parse_ip(f"10.{200 + gen % 50}.{i // 250}.{i % 250 + 1}"),),
+                protocol=TunnelProtocol.HBONE,
+                trust_domain=TRUST_DOMAIN,
+                service_account=f"sa-{i % 10}",
+                node="elsewhere",
+                workload_name=f"w{gen}-{i}",
+            )
+            for i in range(batch)
+        ]
+
+    def load(seconds: float) -> dict[str, Any]:
+        end = time.monotonic() + seconds
+        gen = pushes = 0
+        while time.monotonic() < end:
+            wls = workloads(gen)
+            istiod.call(istiod.istiod.set_addresses, *wls)
+            time.sleep(period / 2)
+            istiod.call(istiod.istiod.remove_addresses, *(w.uid for w in wls))
+            time.sleep(period / 2)
+            gen, pushes = gen + 1, pushes + 2
+        return {"pushes": pushes, "workloads_per_push": batch}
+
+    return load
+
+
+# ---------------------------------------------------------------------------------------------
+# beds
+
+
+# Pooled HBONE connections idle for this long are closed (Rust default and ours: 5 minutes), so
+# that the rest after a phase ends with none open: what stays is then memory, not connections.
+POOL_RELEASE = "10s"
+
+
+@contextlib.contextmanager
+def data_bed(loop: str) -> Iterator[dict[str, Any]]:
+    env = {"POOL_UNUSED_RELEASE_TIMEOUT": POOL_RELEASE}
+    with bh.testbed([], loop, haproxy=False, env=env) as bed:
+        yield bed
+
+
+def _forget_records(zts: Any) -> None:
+    """Drop the parsed log records the bed keeps (one per connection: GBs over a long soak)."""
+    for zt in zts:
+        with zt._cond:
+            zt.records.clear()
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [
+        f"### Memory soak ({doc['params']['phase_seconds']:.0f} s per phase, "
+        f"{doc['params']['rest_seconds']:.0f} s at rest after each)",
+        "",
+        "Targets: slope under load (after a third of the phase) < 10 KiB/min, residual (RSS at the "
+        "end of the rest minus before the phase) < 2 MiB.",
+        "",
+        "| phase | ztunnel | RSS before KiB | peak | after rest | residual KiB | PSS before | "
+        "PSS after | slope KiB/min | met |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ph in doc["phases"]:
+        for zt, r in ph["by_ztunnel"].items():
+            met = "yes" if r["slope_met"] and r["residual_met"] else (
+                "slope" if r["residual_met"] else "residual" if r["slope_met"] else "no"
+            )  # fmt: skip
+            met = {"yes": "met", "slope": "slope missed", "residual": "residual missed"}.get(
+                met, "missed"
+            )
+            lines.append(
+                f"| {ph['phase']} | {zt} | {r['rss_kib_before']:.0f} | {r['rss_kib_peak']} "
+                f"| {r['rss_kib_after_rest']:.0f} | {r['residual_kib']:+.0f} "
+                f"| {r['pss_kib_before']:.0f} | {r['pss_kib_after_rest']:.0f} "
+                f"| {bh.fmt(r['slope_kib_per_min'], '.1f')} | {met} |"
+            )
+    rest = doc.get("at_rest", {})
+    if rest:
+        lines += ["", "PSS at rest, KiB (smaps_rollup, before any load):"]
+        for k, v in rest.items():
+            lines.append(f"- {k}: {v}")
+    return "\n".join(lines) + "\n"
+
+
+def drive(args: argparse.Namespace) -> None:
+    seconds: float = args.phase_seconds or (60.0 if args.quick else 180.0)
+    rest: float = args.rest_seconds or 30.0
+    phases: list[dict[str, Any]] = []
+    at_rest: dict[str, Any] = {}
+    want = set(args.phase or ["hbone-churn", "plaintext-churn", "idle-2000", "xds-workload-churn"])
+    started = time.monotonic()
+    samples: dict[str, list[dict[str, Any]]] = {}
+    if want - {"xds-workload-churn"}:
+        with data_bed(args.loop) as bed:
+            pods, zts = bed["pods"], bed["zts"]
+            pids = {"ztunnel-a": zts["a"].pid, "ztunnel-b": zts["b"].pid}
+            time.sleep(rest)  # start-up settled, the first idle trim done
+            at_rest["dedicated (one workload, local config, local CA)"] = {
+                k: mem_kib(p)[1] for k, p in pids.items()
+            }
+            sampler = Sampler(pids)
+            b, d = pods["b"].ip4, pods["d"].ip4
+            loads = {
+                "hbone-churn": crr_load(pods["a"], b, args.procs),
+                "plaintext-churn": crr_load(pods["a"], d, args.procs),
+                "idle-2000": idle_load(pods["a"], b, IDLE_CONNS),
+            }
+            # Warm-up: the first connections of each kind build what lives as long as the process
+            # (the pooled HBONE connection, TLS contexts, certificates, caches); not a residual.
+            for name, load in loads.items():
+                if name in want:
+                    load(3.0 if name != "idle-2000" else 0.0)
+            time.sleep(min(10.0, rest))
+            try:
+                for name, load in loads.items():
+                    if name in want:
+                        phases.append(run_phase(sampler, name, load, seconds, rest))
+                        _forget_records(zts.values())
+            finally:
+                sampler.close()
+            samples["data"] = sampler.samples
+    if "xds-workload-churn" in want:
+        from ztunnel.testing.xdsbed import MeshPod, xds_mesh
+
+        pods_spec = [MeshPod(f"p{i}", f"n{1 + i % 2}", f"sa-{i}") for i in range(6)]
+        with xds_mesh(pods_spec) as mesh:
+            pids = {f"ztunnel-{n}": zt.pid for n, zt in mesh.ztunnels.items()}
+            time.sleep(rest)
+            at_rest["shared (3 pods, xDS + CA from the fake istiod)"] = {
+                k: mem_kib(p)[1] for k, p in pids.items()
+            }
+            sampler = Sampler(pids)
+            time.sleep(min(5.0, rest))
+            churn = xds_churn_load(mesh, args.batch, 1.0)
+            churn(4.0)  # warm-up, as above
+            time.sleep(min(10.0, rest))
+            try:
+                phases.append(
+                    run_phase(
+                        sampler, "xds-workload-churn", churn, seconds, rest,
+                    )
+                )  # fmt: skip
+            finally:
+                sampler.close()
+            samples["xds"] = sampler.samples
+    doc: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "elapsed_s": time.monotonic() - started,
+        "env": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "commit": bh._git("rev-parse", "--short", "HEAD"),
+            "note": "shared VM: other engineers' processes ran at the same time",
+        },
+        "params": {
+            "phase_seconds": seconds,
+            "rest_seconds": rest,
+            "crr_procs": args.procs,
+            "idle_conns": IDLE_CONNS,
+            "xds_batch": args.batch,
+        },
+        "targets": {"slope_kib_per_min": T_SLOPE_KIB_PER_MIN, "residual_kib": T_RESIDUAL_KIB},
+        "at_rest_pss_kib": at_rest,
+        "at_rest": at_rest,
+        "phases": phases,
+        "samples": samples,
+    }
+    md = markdown(doc)
+    doc["markdown"] = md
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(md)
+    print(md)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="60 s phases")
+    ap.add_argument("--phase-seconds", type=float, help="load per phase (default 180, quick 60)")
+    ap.add_argument(
+        "--rest-seconds",
+        type=float,
+        help="rest after each (default 30; above the 10 s pool release)",
+    )
+    ap.add_argument(
+        "--phase",
+        action="append",
+        choices=["hbone-churn", "plaintext-churn", "idle-2000", "xds-workload-churn"],
+        help="run only these phases (repeatable)",
+    )
+    ap.add_argument("--procs", type=int, default=2, help="churn client processes")
+    ap.add_argument("--batch", type=int, default=200, help="workloads per xDS push")
+    ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    ap.add_argument("--out", default=str(RESULTS / "soak.json"))
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("soak.py needs root (network namespaces)")
+    drive(args)
+
+
+if __name__ == "__main__":
+    main()
