@@ -140,6 +140,15 @@ class Config:
     # added to the metrics (Rust counts every read/write; we batch them).
     metrics_flush_interval: timedelta = timedelta(seconds=5)
 
+    # Hostile-peer limits (Python-only; README "Security"). HTTP/2 budgets are per connection and
+    # per second; past one the connection ends with GOAWAY ENHANCE_YOUR_CALM.
+    h2_max_control_frames: int = 1000  # ZTUNNEL_H2_MAX_CONTROL_FRAMES
+    h2_max_window_updates: int = 10_000  # ZTUNNEL_H2_MAX_WINDOW_UPDATES
+    h2_max_empty_frames: int = 100  # ZTUNNEL_H2_MAX_EMPTY_FRAMES
+    h2_max_early_resets: int = 200  # ZTUNNEL_H2_MAX_EARLY_RESETS (rapid reset)
+    h2_max_continuations: int = 32  # ZTUNNEL_H2_MAX_CONTINUATIONS (per header block)
+    fd_reserve: int | None = None  # ZTUNNEL_FD_RESERVE: fds kept free (None: 10%, 32..1024)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
         """Build and validate. Raises ConfigError naming the first bad variable."""
@@ -397,6 +406,14 @@ def _build(e: _Env) -> Config:
         log_format=log_format,
         rust_log=e.get("RUST_LOG", "info") or "info",
         metrics_flush_interval=flush,
+        h2_max_control_frames=e.integer("ZTUNNEL_H2_MAX_CONTROL_FRAMES", 1000, 1, 10**9),
+        h2_max_window_updates=e.integer("ZTUNNEL_H2_MAX_WINDOW_UPDATES", 10_000, 1, 10**9),
+        h2_max_empty_frames=e.integer("ZTUNNEL_H2_MAX_EMPTY_FRAMES", 100, 1, 10**9),
+        h2_max_early_resets=e.integer("ZTUNNEL_H2_MAX_EARLY_RESETS", 200, 1, 10**9),
+        h2_max_continuations=e.integer("ZTUNNEL_H2_MAX_CONTINUATIONS", 32, 1, 10**6),
+        fd_reserve=(
+            e.integer("ZTUNNEL_FD_RESERVE", 0, 0, 10**7) if e.opt("ZTUNNEL_FD_RESERVE") else None
+        ),
     )
 
 

@@ -590,6 +590,15 @@ class Metrics:
         )
         build.labels("ztunnel", tag).set(1)
         self.inpod = InpodMetrics(registry) if inpod else None
+        # Python-only (issue 13): connections, streams and peers refused or cut by a resource
+        # limit or a protocol defence, by reason (a fixed small set; README "Security").
+        self.guard_events = Family(
+            "ztunnel_guard_events",
+            "Connections, streams and peers refused or cut by a limit or protocol defence.",
+            "counter",
+            ("reason",),
+            registry=registry,
+        )
         if process:
             ProcessCollector(registry=registry)
 
@@ -601,6 +610,10 @@ class Metrics:
 
     def socket_closed(self, reporter: Reporter) -> None:
         self._socket_cells[reporter].value -= 1
+
+    def guard_event(self, reason: str) -> None:
+        """Count one refusal or cut (``guard_events``)."""
+        self.guard_events.labels(reason).value += 1
 
     # -- connections --------------------------------------------------------------------------
 

@@ -198,8 +198,11 @@ def test_client_certificate_from_another_trust_domain(bed: Bed) -> None:
     with no_leaks(bed.m.ztb):
         why = rejected(bed, other)
     assert why == "EOF" or "Reset" in why, why  # closed right after the handshake
-    rec = wait_log(bed.m.ztb, since, bed.ext.ip4, "rejected", "trust domain 'cluster.local'")
+    rec = wait_log(
+        bed.m.ztb, since, bed.ext.ip4, "connection failed", "trust domain 'cluster.local'"
+    )
     assert rec["level"] == "warn" or rec["level"] == "warning", rec
+    assert rec["scope"] == "access"  # Rust log_early_deny
     assert_serves(bed)
 
 
@@ -273,23 +276,47 @@ def test_bad_authority_is_400(bed: Bed, authority: str | None) -> None:
 
 
 def test_authority_ip_mismatch_is_400(bed: Bed) -> None:
-    """The authority names pod a while the connection arrived at pod b."""
+    """The authority names pod a while the connection arrived at pod b: an early deny, one
+    access-log line (Rust validate_destination, Error::IPMismatch, log_early_deny)."""
     since = mark(bed.m.ztb)
     with no_leaks(bed.m.ztb), bed.client() as c:
         sid = c.request(f"{bed.m.a.ip4}:{ECHO}")
         assert c.response(sid) == 400
-    rec = wait_log(bed.m.ztb, since, "connection complete", "does not match")
+    rec = wait_log(bed.m.ztb, since, "connection failed", "ip mismatch")
     assert rec["direction"] == "inbound"
+    assert rec["error"] == f"ip mismatch: {bed.m.b.ip4} != {bed.m.a.ip4}"
     assert_serves(bed)
 
 
+def test_other_family_of_the_same_pod_is_400(bed: Bed) -> None:
+    """Issue 17: ``CONNECT [pod b's IPv6]:port`` on a connection that arrived at pod b's IPv4
+    address was accepted and the app saw ztunnel's own address as the source. Rust compares
+    the authority with the connection's destination IP only (validate_destination): 400, and
+    nothing reaches the app. The same pod over IPv6 works."""
+    b = bed.m.b
+    since = mark(bed.m.ztb)
+    before = len(bed.m.ztb.access())
+    with no_leaks(bed.m.ztb), bed.client() as c:
+        sid = c.request(f"[{b.ip6}]:{ECHO}")
+        assert c.response(sid) == 400
+    rec = wait_log(bed.m.ztb, since, "connection failed", "ip mismatch")
+    assert rec["error"] == f"ip mismatch: {b.ip4} != {b.ip6}"
+    assert len(bed.m.ztb.access()) == before  # no "connection complete": never dialled
+    with no_leaks(bed.m.ztb), bed.client(b.ip6) as c:
+        sid = c.connect_stream(f"[{b.ip6}]:{ECHO}")
+        c.send(sid, b"v6\n", end_stream=True)
+        assert c.read_to_end(sid) == b"v6\n"
+
+
 @pytest.mark.parametrize("port", [15008, 15001, 15006])
-def test_connect_to_ztunnel_port_is_400(bed: Bed, port: int) -> None:
+def test_connect_to_ztunnel_port_is_503(bed: Bed, port: int) -> None:
+    """Rust find_inbound_upstream: a port in illegal_ports is Error::SelfCall, answered 503."""
     since = mark(bed.m.ztb)
     with no_leaks(bed.m.ztb), bed.client() as c:
         sid = c.request(f"{bed.m.b.ip4}:{port}")
-        assert c.response(sid) == 400
-    wait_log(bed.m.ztb, since, "connection complete", "own port")
+        assert c.response(sid) == 503
+    rec = wait_log(bed.m.ztb, since, "connection failed", "recursive call")
+    assert rec["error"] == "attempted recursive call to ourselves"
 
 
 def test_unknown_local_workload_is_503(bed: Bed) -> None:
@@ -314,6 +341,7 @@ def test_app_refuses_is_503(bed: Bed) -> None:
         sid = c.request(f"{b.ip4}:9999")
         assert c.response(sid) == 503
         assert c.streams[sid].ended or c.read_to_end(sid) == b""
+    with no_leaks(bed.m.ztb), bed.client(b.ip6) as c:
         sid = c.request(f"[{b.ip6}]:9999")
         assert c.response(sid) == 503
     rec = wait_log(bed.m.ztb, since, "connection complete", f"{b.ip4}:9999")

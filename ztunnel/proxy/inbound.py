@@ -1,8 +1,16 @@
 """Inbound HBONE 15008: terminate mTLS and HTTP/2, validate each CONNECT, connect to the app.
 
 Status codes follow istio/ztunnel ``src/proxy/inbound.rs`` (reference 2.3): 400 for a bad method,
-authority or IP mismatch, 503 when the local workload is unknown or the app refuses, 200 then raw
-bytes. Error responses are headers-only with END_STREAM.
+authority or IP mismatch, 503 when the local workload is unknown, for a call to ztunnel's own
+ports or when the app refuses, 200 then raw bytes. Error responses are headers-only with
+END_STREAM. The app is always dialled at the IP the connection arrived on (Rust
+``find_inbound_upstream``); the authority gives the port.
+
+Every accepted connection gets one access-log line however it ends ("connection failed" with
+the reason when it ends before a stream is served, as Rust's ``log_early_deny``). The HTTP/2
+endpoint holds each stream until its task is done (``hold_streams``), so a stream reset by the
+peer still counts against the 200-stream limit while its upstream connect runs (rapid reset), and
+new streams are refused (REFUSED_STREAM) while the process is within its fd reserve.
 """
 
 from __future__ import annotations
@@ -12,23 +20,56 @@ import contextvars
 import logging
 import socket
 import ssl
+import time
 
-from ztunnel.config import ILLEGAL_PORTS
+from ztunnel.config import HBONE_PORT, ILLEGAL_PORTS
 from ztunnel.core.addr import IPAddr, SocketAddr
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
 from ztunnel.hbone.headers import BAGGAGE, FORWARDED, baggage, forwarded_host, parse_baggage
-from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
+from ztunnel.hbone.transport import AlpnRefused, HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
-from ztunnel.proxy.context import UNKNOWN_LOCAL_WORKLOAD, ConnectionRecord, ProxyContext
+from ztunnel.proxy.context import (
+    UNKNOWN_LOCAL_WORKLOAD,
+    ConnectionRecord,
+    ProxyContext,
+    log_failed,
+)
 from ztunnel.proxy.hbone_outbound import HboneSettings
 from ztunnel.state.model import NetworkAddress, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
+
+SELF_CALL = "attempted recursive call to ourselves"  # Rust Error::SelfCall
+_UNKNOWN_PEER = SocketAddr.parse("0.0.0.0:0")
+
+
+def destination_error(arrival: IPAddr, target: SocketAddr, local: Workload) -> str | None:
+    """Why a CONNECT to ``target`` on a connection that arrived at ``arrival`` is refused (400),
+    or None (Rust ``Inbound::validate_destination``): the authority's IP must be the one the
+    connection arrived on, unless the local workload has an application tunnel. (Rust also
+    accepts a target whose waypoint is this pod: that is the waypoint work of issue 17.)"""
+    if target.ip == arrival:
+        return None
+    if local.application_tunnel is not None:
+        return None
+    return f"ip mismatch: {arrival} != {target.ip}"
+
+
+def upstream_for(arrival: IPAddr, target: SocketAddr) -> SocketAddr:
+    """Where the app is dialled: always the IP the connection arrived on, with the authority's
+    port (Rust ``find_inbound_upstream``)."""
+    return SocketAddr(arrival, target.port)
+
+
+def self_call(upstream: SocketAddr) -> bool:
+    """A call to one of ztunnel's own ports (15001, 15006, 15008): Rust ``Error::SelfCall``,
+    answered 503. Stats 15020 and readiness 15021 are not among them, as in Rust."""
+    return upstream.port in ILLEGAL_PORTS
 
 
 class InboundHbone:
@@ -36,7 +77,42 @@ class InboundHbone:
         self.ctx = ctx
         self.secrets = secrets
         self.settings = HboneSettings.from_config(ctx.config)
+        cfg = ctx.config
+        self.flood_limits = h2.FloodLimits(
+            control_frames=cfg.h2_max_control_frames,
+            window_updates=cfg.h2_max_window_updates,
+            empty_frames=cfg.h2_max_empty_frames,
+            early_resets=cfg.h2_max_early_resets,
+            max_continuations=cfg.h2_max_continuations,
+        )
         self.connections: set[HboneConnection] = set()
+        self._warned = 0.0
+        self._suppressed = 0
+
+    def _guard(self, reason: str) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.guard_event(reason)
+
+    def _early_failure(
+        self, src: SocketAddr, dst: SocketAddr, reason: str, error: BaseException | str
+    ) -> None:
+        """The connection ends before any stream: Rust's ``log_early_deny`` line, and a count."""
+        log_failed(
+            "inbound", src, dst, error if isinstance(error, BaseException) else Exception(error)
+        )
+        self._guard(reason)
+
+    def _rate_limited_warning(self, msg: str, *args: object) -> None:
+        """At most one such line a second (a hostile peer must not flood the log)."""
+        now = time.monotonic()
+        if now - self._warned < 1.0:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg += f" ({self._suppressed} similar suppressed)"
+            self._suppressed = 0
+        self._warned = now
+        log.warning(msg, *args)
 
     def send_goaway(self) -> None:
         """Drain: tell every peer to open no new streams here."""
@@ -47,36 +123,56 @@ class InboundHbone:
         ctx = self.ctx
         try:
             src, arrival = peer_addr(sock), local_addr(sock)
-        except OSError:
+        except OSError as e:  # reset before we got to it: still one access-log line
+            self._early_failure(_UNKNOWN_PEER, _UNKNOWN_PEER, "tcp", e)
             return
         identity = ctx.local_identity()
         if identity is None:
-            log.warning("inbound HBONE from %s: no local identity; closing", src)
+            self._early_failure(src, arrival, "no_identity", "no local identity")
             return
         try:
             cert = await self.secrets.fetch_certificate(identity)
             sslobj, inbio, outbio = await tls_handshake(
-                sock, server_context(cert), server_side=True
+                sock, server_context(cert), server_side=True, require_alpn=b"h2"
             )
             peer_der = sslobj.getpeercert(binary_form=True) or b""
             peer_id = verify_client_trust_domain(peer_der, cert.identity.trust_domain)
         except (CertificateError, TlsIdentityError) as e:
-            log.warning("inbound HBONE from %s rejected: %s", src, e)
+            self._early_failure(src, arrival, "identity", e)
+            return
+        except AlpnRefused as e:
+            self._early_failure(src, arrival, "alpn", e)
             return
         except (ssl.SSLError, OSError, HboneError, TimeoutError) as e:
-            log.warning("inbound HBONE from %s: TLS handshake failed: %s", src, e)
+            self._early_failure(
+                src, arrival, "tls", f"TLS handshake failed: {e or type(e).__name__}"
+            )
             return
         tasks: set[asyncio.Task[None]] = set()
         loop = asyncio.get_running_loop()
         # Shared by the connection's stream tasks and their done callbacks (see Listener).
         context = contextvars.copy_context()
+        budget = ctx.sockets.budget
 
         def on_request(conn: HboneConnection, ev: h2.RequestReceived) -> None:
+            sid = ev.stream_id
+            if budget.under_pressure:
+                # Within the fd reserve: refuse before any work (the client may retry).
+                conn.abandon(sid)
+                conn.refuse(sid)
+                conn.release_stream(sid)
+                self._guard("fd_budget_stream")
+                return
             task = loop.create_task(
                 self._serve(conn, ev, src, arrival.ip, peer_id), context=context
             )
             tasks.add(task)
-            task.add_done_callback(tasks.discard, context=context)
+
+            def done(t: asyncio.Task[None]) -> None:
+                tasks.discard(t)
+                conn.release_stream(sid)  # the stream stops counting only now
+
+            task.add_done_callback(done, context=context)
 
         h2c = h2.H2Connection(
             client=False,
@@ -84,12 +180,22 @@ class InboundHbone:
             connection_window_size=self.settings.connection_window,
             max_frame_size=self.settings.frame_size,
             max_concurrent_streams=200,
+            limits=self.flood_limits,
+            hold_streams=True,
         )
         conn = HboneConnection(sock, sslobj, inbio, outbio, h2c, on_request=on_request)
         self.connections.add(conn)
         try:
             await asyncio.shield(conn.closed)
-            if conn.error is not None and not isinstance(conn.error, HboneError):
+            if conn.protocol_error is not None:
+                flood = conn.protocol_error.error_code == h2.ErrorCode.ENHANCE_YOUR_CALM
+                self._guard("h2_flood" if flood else "h2_protocol_error")
+                self._rate_limited_warning(
+                    "inbound HBONE connection from %s closed with GOAWAY: %s",
+                    src,
+                    conn.protocol_error,
+                )
+            elif conn.error is not None and not isinstance(conn.error, HboneError):
                 log.debug("inbound HBONE connection from %s ended: %s", src, conn.error)
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -155,10 +261,22 @@ class InboundHbone:
             _reject(conn, sid, src, 400, f"invalid authority {ev.authority!r}")
             return None
         local = await ctx.wait_local_workload()
+        if local is not None:
+            # Rust build_inbound_request: these are early denies (one access-log line, no
+            # connection metrics), before the connection's record exists.
+            upstream = upstream_for(arrival, target)
+            why = destination_error(arrival, target, local)
+            status = 400
+            if why is None and self_call(upstream):
+                why, status = SELF_CALL, 503
+            if why is not None:
+                conn.respond(sid, status, [], end_stream=True)
+                log_failed("inbound", src, SocketAddr(arrival, HBONE_PORT), Exception(why))
+                return None
         rec = ConnectionRecord(
             "inbound",
             src,
-            target,
+            upstream_for(arrival, target),
             hbone_addr=target,
             src_workload=ctx.state.find_workload_by_addr(
                 NetworkAddress(ctx.config.network, src.ip)
@@ -176,19 +294,6 @@ class InboundHbone:
         )
         if local is None:
             _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, rec)
-            return None
-        if target.ip != arrival and target.ip not in local.addresses:
-            _reject(
-                conn,
-                sid,
-                src,
-                400,
-                f"authority IP {target.ip} does not match the destination {arrival}",
-                rec,
-            )
-            return None
-        if target.port in ILLEGAL_PORTS:
-            _reject(conn, sid, src, 400, f"call to ztunnel's own port refused: {target}", rec)
             return None
         try:
             ctx.authorize(rec, local)

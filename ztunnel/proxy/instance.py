@@ -19,6 +19,7 @@ from ztunnel.core.identity import Identity
 from ztunnel.identity.manager import SecretManager
 from ztunnel.metrics import Metrics, Reporter
 from ztunnel.net.copy import PipePool
+from ztunnel.net.fdbudget import FdBudget
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.hbone_outbound import HboneConnector
 from ztunnel.proxy.inbound import InboundHbone
@@ -61,6 +62,7 @@ class ProxyInstance:
             if config.keepalive_enabled
             else None,
             user_timeout=config.user_timeout_enabled,
+            budget=FdBudget(config.fd_reserve),
         )
         self.ctx = ProxyContext(
             config=config,
@@ -120,6 +122,7 @@ class ProxyInstance:
         try:
             for port, name, handler, reporter in handlers:
                 lst = Listener(self._listen(port), handler, f"{self.name} {name}")
+                lst.budget = self.sockets.budget  # refuse connections within the fd reserve
                 if self.ctx.metrics is not None:
                     lst.on_socket = _socket_gauge(self.ctx.metrics, reporter)
                 self.listeners.append(lst)

@@ -4,7 +4,9 @@ A ``Listener`` accepts in batches from a non-blocking listening socket driven by
 (cheaper than one ``sock_accept`` future per connection) and runs one task per connection. It owns
 those tasks: ``stop_accepting()`` closes the socket at once (so a new ztunnel bound with
 SO_REUSEPORT takes new connections), ``drain(deadline)`` lets running connections finish and cancels
-what is left at the deadline. Running out of file descriptors backs off instead of crashing.
+what is left at the deadline. Running out of file descriptors backs off instead of crashing, and a
+connection accepted within the fd reserve (``net/fdbudget.py``) is closed at once with a RST,
+counted (``refused``) and logged at most once a second, before it can cost anything else.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import contextvars
 import errno
 import logging
 import socket
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
+
+from ztunnel.net.fdbudget import FdBudget
 
 log = logging.getLogger("ztunnel.proxy")
 
@@ -25,6 +30,7 @@ Handler = Callable[[socket.socket], Coroutine[Any, Any, None]]
 _ACCEPT_BATCH = 64
 _FD_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _EMFILE_BACKOFF = 0.1
+_LINGER_RST = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close sends RST
 
 
 class Listener:
@@ -43,6 +49,9 @@ class Listener:
         # and a task only enters its context for one step at a time (no eager tasks on 3.11).
         self._context = contextvars.Context()
         self.accepted = 0
+        self.refused = 0  # closed at once: the fd budget was exhausted
+        self._refused_logged = 0.0
+        self.budget: FdBudget | None = None
         self.on_socket: Callable[[bool], None] | None = None  # accepted (True) / closed (False)
 
     @property
@@ -75,11 +84,28 @@ class Listener:
                     continue
                 log.error("%s: accept failed: %s", self.name, e)
                 return
+            if self.budget is not None and not self.budget.admit(conn.fileno()):
+                self._refuse(conn)
+                continue
             conn.setblocking(False)
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.accepted += 1
             self._spawn(conn)
+
+    def _refuse(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
+        conn.close()
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= 1.0:
+            self._refused_logged = now
+            log.warning(
+                "%s: file descriptor budget exhausted; refusing new connections (%d so far)",
+                self.name,
+                self.refused,
+            )
 
     def _spawn(self, conn: socket.socket) -> None:
         # The handler's coroutine is the task itself (no wrapper coroutine: a connection's

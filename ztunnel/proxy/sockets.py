@@ -18,6 +18,7 @@ from datetime import timedelta
 from ztunnel.core.addr import IPAddr, SocketAddr
 from ztunnel.core.errors import UpstreamConnectError
 from ztunnel.net import sockopt
+from ztunnel.net.fdbudget import FdBudget
 
 log = logging.getLogger("ztunnel.proxy")
 
@@ -34,8 +35,11 @@ class SocketFactory:
         netns_fd: int | None = None,
         keepalive: tuple[timedelta, timedelta, int] | None = None,
         user_timeout: bool = False,
+        budget: FdBudget | None = None,
     ) -> None:
         self.mark = mark
+        # Sockets are refused (UpstreamConnectError) a reserve of fds before RLIMIT_NOFILE.
+        self.budget = budget if budget is not None else FdBudget()
         self.netns_fd = netns_fd
         self.keepalive = keepalive
         self.user_timeout = user_timeout
@@ -56,11 +60,22 @@ class SocketFactory:
             yield
 
     def new_socket(self, family: int) -> socket.socket:
-        if self.netns_fd is None:  # (no generator-based context manager per connection)
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        else:
-            with self._in_ns():
+        """A marked non-blocking stream socket. Raises UpstreamConnectError when the process is
+        out of fds or within its reserve (``FdBudget``), OSError for other failures."""
+        try:
+            if self.netns_fd is None:  # (no generator-based context manager per connection)
                 sock = socket.socket(family, socket.SOCK_STREAM)
+            else:
+                with self._in_ns():
+                    sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self.budget.admit(1 << 62)  # (counts the refusal, starts the pressure window)
+                raise UpstreamConnectError(f"cannot create a socket: {e.strerror}") from None
+            raise
+        if not self.budget.admit(sock.fileno()):
+            sock.close()
+            raise UpstreamConnectError("file descriptor budget exhausted")
         try:
             sock.setblocking(False)
             setsockopt = sock.setsockopt
@@ -88,7 +103,12 @@ class SocketFactory:
     ) -> socket.socket:
         """Connect to ``target``; with ``spoof_source``, bind that IP first (IP_TRANSPARENT) and fall
         back to a normal connect when the kernel refuses. Raises UpstreamConnectError."""
-        sock = self.new_socket(target.family)
+        try:
+            sock = self.new_socket(target.family)
+        except OSError as e:
+            raise UpstreamConnectError(
+                f"connection to {target} failed: {e.strerror or e}"
+            ) from None
         try:
             if (
                 spoof_source is not None
