@@ -1091,6 +1091,19 @@ class H2Connection:
         if owed:
             self._release_conn(owed)
 
+    def charge(self, n: int = 1) -> RemoteProtocolError | None:
+        """Count ``n`` units of work the peer caused outside the parser (a request the
+        application refused as malformed) against the control-frame budget. When that exhausts
+        it the connection is closed (GOAWAY ENHANCE_YOUR_CALM queued) and the error returned."""
+        if self._closed:
+            return None
+        try:
+            self._spend_control(n)
+        except RemoteProtocolError as exc:
+            self._terminate(exc, [])
+            return exc
+        return None
+
     @property
     def held_streams(self) -> int:
         """Closed peer streams not yet released (``hold_streams``)."""
@@ -1461,6 +1474,8 @@ class H2Connection:
                 ErrorCode.ENHANCE_YOUR_CALM,
                 f"SETTINGS with more than {self._limits.max_settings_entries} entries",
             )
+        if len(payload) >= 48:
+            self._spend_control(len(payload) // 48)  # one unit per 8 entries, beyond the frame
         self._awaiting_settings = False
         remote = self._remote
         changed: dict[int, int] = {}

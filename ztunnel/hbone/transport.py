@@ -929,6 +929,17 @@ class HboneConnection:
         if self.h2.has_output:
             self.flush()
 
+    def charge(self) -> None:
+        """The peer made us refuse a malformed request: count it against the control-frame
+        budget (h2conn.H2Connection.charge); past the budget the connection ends with GOAWAY."""
+        if self.closed.done():
+            return
+        exc = self.h2.charge()
+        if exc is not None:
+            self.protocol_error = exc
+            self.flush()
+            self._fail(exc)
+
     def refuse(self, stream_id: int) -> None:
         """Reset a peer stream with REFUSED_STREAM before any work (safe for it to retry)."""
         if self.closed.done():

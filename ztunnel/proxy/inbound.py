@@ -16,11 +16,15 @@ new streams are refused (REFUSED_STREAM) while the process is within its fd rese
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import socket
 import ssl
 import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from ztunnel.config import HBONE_PORT, ILLEGAL_PORTS
 from ztunnel.core.addr import IPAddr, SocketAddr
@@ -46,6 +50,48 @@ log = logging.getLogger("ztunnel.proxy.inbound")
 
 SELF_CALL = "attempted recursive call to ourselves"  # Rust Error::SelfCall
 _UNKNOWN_PEER = SocketAddr.parse("0.0.0.0:0")
+
+
+# New stream tasks started per event-loop iteration (per proxy instance), the rest queued: a
+# burst of CONNECTs (200 per connection, from any number of connections) is admitted a batch at
+# a time, so other connections' I/O runs between batches instead of after all of it.
+START_BATCH = 16
+
+
+class _FairStarter:
+    """Runs submitted starts at most ``batch`` per event-loop iteration, in order."""
+
+    __slots__ = ("armed", "batch", "queue", "started")
+
+    def __init__(self, batch: int = START_BATCH) -> None:
+        self.batch = batch
+        self.queue: deque[Callable[[], None]] = deque()
+        self.started = 0
+        self.armed = False
+
+    def submit(self, start: Callable[[], None]) -> None:
+        if self.started < self.batch and not self.queue:
+            self.started += 1
+            self._arm()
+            start()
+        else:
+            self.queue.append(start)
+            self._arm()
+
+    def _arm(self) -> None:
+        if not self.armed:
+            self.armed = True
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.armed = False
+        self.started = 0
+        queue = self.queue
+        while queue and self.started < self.batch:
+            self.started += 1
+            queue.popleft()()
+        if queue or self.started:
+            self._arm()
 
 
 def destination_error(arrival: IPAddr, target: SocketAddr, local: Workload) -> str | None:
@@ -88,6 +134,7 @@ class InboundHbone:
         self.connections: set[HboneConnection] = set()
         self._warned = 0.0
         self._suppressed = 0
+        self._starter = _FairStarter()
 
     def _guard(self, reason: str) -> None:
         if self.ctx.metrics is not None:
@@ -119,12 +166,20 @@ class InboundHbone:
         for conn in list(self.connections):
             conn.send_goaway()
 
-    async def handle(self, sock: socket.socket) -> None:
+    async def handle(self, sock: socket.socket, peer: tuple[Any, ...] | None = None) -> None:
+        """Serve one accepted connection; ``peer`` is the address accept() returned."""
         ctx = self.ctx
         try:
             src, arrival = peer_addr(sock), local_addr(sock)
         except OSError as e:  # reset before we got to it: still one access-log line
-            self._early_failure(_UNKNOWN_PEER, _UNKNOWN_PEER, "tcp", e)
+            src = _UNKNOWN_PEER
+            with contextlib.suppress(ValueError, IndexError, TypeError, AssertionError):
+                if peer is not None:
+                    src = SocketAddr.from_sockaddr(peer)
+            dst = _UNKNOWN_PEER
+            with contextlib.suppress(OSError):
+                dst = local_addr(sock)
+            self._early_failure(src, dst, "tcp", e)
             return
         identity = ctx.local_identity()
         if identity is None:
@@ -149,6 +204,9 @@ class InboundHbone:
             )
             return
         tasks: set[asyncio.Task[None]] = set()
+        # Stream tasks not yet bridged (admission, upstream connect) -> their record, if any:
+        # once the connection is gone nobody can be answered, so they are cancelled.
+        unbridged: dict[asyncio.Task[None], ConnectionRecord | None] = {}
         loop = asyncio.get_running_loop()
         # Shared by the connection's stream tasks and their done callbacks (see Listener).
         context = contextvars.copy_context()
@@ -163,16 +221,24 @@ class InboundHbone:
                 conn.release_stream(sid)
                 self._guard("fd_budget_stream")
                 return
-            task = loop.create_task(
-                self._serve(conn, ev, src, arrival.ip, peer_id), context=context
-            )
-            tasks.add(task)
 
-            def done(t: asyncio.Task[None]) -> None:
-                tasks.discard(t)
-                conn.release_stream(sid)  # the stream stops counting only now
+            def start() -> None:
+                if conn.closed.done():
+                    return  # (gone while queued)
+                task = loop.create_task(
+                    self._serve(conn, ev, src, arrival.ip, peer_id, unbridged), context=context
+                )
+                tasks.add(task)
+                unbridged[task] = None
 
-            task.add_done_callback(done, context=context)
+                def done(t: asyncio.Task[None]) -> None:
+                    tasks.discard(t)
+                    unbridged.pop(t, None)
+                    conn.release_stream(sid)  # the stream stops counting only now
+
+                task.add_done_callback(done, context=context)
+
+            self._starter.submit(start)
 
         h2c = h2.H2Connection(
             client=False,
@@ -197,6 +263,10 @@ class InboundHbone:
                 )
             elif conn.error is not None and not isinstance(conn.error, HboneError):
                 log.debug("inbound HBONE connection from %s ended: %s", src, conn.error)
+            for t, rec in list(unbridged.items()):
+                if rec is not None:
+                    rec.close_reason = "HBONE connection closed before the stream was served"
+                t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
         except asyncio.CancelledError:
@@ -216,6 +286,7 @@ class InboundHbone:
         src: SocketAddr,
         arrival: IPAddr,
         peer_id: Identity,
+        unbridged: dict[asyncio.Task[None], ConnectionRecord | None],
     ) -> None:
         # This frame lives as long as the stream, so it stays small: the checks run in a
         # transient one, no closure, and the request event (its header list is most of its size)
@@ -225,13 +296,18 @@ class InboundHbone:
         del ev
         if rec is None:
             return
+        task = asyncio.current_task()
         ctx = self.ctx
         with ctx.tracked(rec):
+            if task in unbridged:
+                unbridged[task] = rec
             try:
                 upstream = await ctx.sockets.connect(rec.dst, spoof_source=src.ip)
             except ProxyError as e:
                 _reject(conn, sid, src, 503, e, rec)
                 return
+            finally:
+                unbridged.pop(task, None)  # type: ignore[arg-type]
             conn.respond(sid, 200, self._response_headers(rec.dst_workload), end_stream=False)
             bridge = await conn.bridge(sid, upstream, rec.counters)
             # Inbound: "sent" is what the local app sent back.
@@ -271,6 +347,7 @@ class InboundHbone:
                 why, status = SELF_CALL, 503
             if why is not None:
                 conn.respond(sid, status, [], end_stream=True)
+                conn.charge()
                 log_failed("inbound", src, SocketAddr(arrival, HBONE_PORT), Exception(why))
                 return None
         rec = ConnectionRecord(
@@ -322,8 +399,10 @@ def _reject(
     rec: ConnectionRecord | None = None,
 ) -> None:
     """Refuse the stream with a headers-only response; log it (as the connection's outcome
-    once it has a record)."""
+    once it has a record). A malformed request (400) counts against the peer's budget."""
     conn.respond(sid, status, [], end_stream=True)
+    if status == 400:
+        conn.charge()
     if rec is not None:
         rec.log_complete(why)
     else:

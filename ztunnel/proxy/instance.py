@@ -123,6 +123,7 @@ class ProxyInstance:
             for port, name, handler, reporter in handlers:
                 lst = Listener(self._listen(port), handler, f"{self.name} {name}")
                 lst.budget = self.sockets.budget  # refuse connections within the fd reserve
+                lst.pass_peer = port == HBONE_PORT  # (an access-log line even once reset)
                 if self.ctx.metrics is not None:
                     lst.on_socket = _socket_gauge(self.ctx.metrics, reporter)
                 self.listeners.append(lst)

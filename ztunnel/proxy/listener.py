@@ -25,7 +25,9 @@ from ztunnel.net.fdbudget import FdBudget
 
 log = logging.getLogger("ztunnel.proxy")
 
-Handler = Callable[[socket.socket], Coroutine[Any, Any, None]]
+# ``handler(conn)``, or ``handler(conn, peer)`` with ``pass_peer`` (the address accept()
+# returned: getpeername fails on a connection reset before it is handled).
+Handler = Callable[..., Coroutine[Any, Any, None]]
 
 _ACCEPT_BATCH = 64
 _FD_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -52,6 +54,7 @@ class Listener:
         self.refused = 0  # closed at once: the fd budget was exhausted
         self._refused_logged = 0.0
         self.budget: FdBudget | None = None
+        self.pass_peer = False
         self.on_socket: Callable[[bool], None] | None = None  # accepted (True) / closed (False)
 
     @property
@@ -72,7 +75,7 @@ class Listener:
     def _on_readable(self) -> None:
         for _ in range(_ACCEPT_BATCH):
             try:
-                conn, _addr = self.sock.accept()
+                conn, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -91,7 +94,7 @@ class Listener:
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.accepted += 1
-            self._spawn(conn)
+            self._spawn(conn, addr)
 
     def _refuse(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
@@ -107,7 +110,7 @@ class Listener:
                 self.refused,
             )
 
-    def _spawn(self, conn: socket.socket) -> None:
+    def _spawn(self, conn: socket.socket, addr: Any = None) -> None:
         # The handler's coroutine is the task itself (no wrapper coroutine: a connection's
         # coroutines live as long as it does, so each frame counts); _on_done is the wrapper.
         assert self._loop is not None
@@ -115,7 +118,8 @@ class Listener:
             self.on_socket(True)
         ctx = self._context
         try:
-            task = self._loop.create_task(self._handler(conn), context=ctx)
+            coro = self._handler(conn, addr) if self.pass_peer else self._handler(conn)
+            task = self._loop.create_task(coro, context=ctx)
         except BaseException:
             self._closed(conn)
             raise
