@@ -102,6 +102,7 @@ class _TxBuffer:
 
 _scratch = _Scratch()
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
+_CONTROL_BACKLOG = 64 * 1024  # stop reading a peer that left this much of our replies unread
 # Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
 # read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
 # it without telling us, so bytes or an error left unread would strand the connection for good.
@@ -504,6 +505,7 @@ class HboneConnection:
         self._keepalive: asyncio.TimerHandle | None = None
         self.goaway = False
         self._input_paused = False  # the peer stopped reading: so do we (see _read_and_dispatch)
+        self._ctl_backlog = 0  # control bytes queued behind unsent output
         self.protocol_error: h2.RemoteProtocolError | None = None  # why we sent a GOAWAY
         self.loop.add_reader(self.fd, self._on_readable)
         if keepalive:
@@ -530,8 +532,11 @@ class HboneConnection:
             return
         bufs = self.h2.data_to_send()
         if bufs:
+            data = bufs[0] if len(bufs) == 1 else b"".join(bufs)
+            if self._out:  # (the socket is backlogged: count what we add to it)
+                self._ctl_backlog += len(data)
             try:
-                self._tls_write(bufs[0] if len(bufs) == 1 else b"".join(bufs))
+                self._tls_write(data)
             except ssl.SSLError as e:
                 self._fail(e)
                 return
@@ -567,6 +572,7 @@ class HboneConnection:
                 self._fail(e)
                 return
             if n == len(record):
+                self._ctl_backlog = 0  # the peer reads: nothing is backlogged
                 return
         cipher = memoryview(record)[n:]
         if self._closing:
@@ -594,6 +600,7 @@ class HboneConnection:
             self._out.pop(0)
         self.loop.remove_writer(self.fd)
         self._writer_armed = False
+        self._ctl_backlog = 0
         if self._input_paused:
             self._input_paused = False
             self.loop.add_reader(self.fd, self._on_readable)
@@ -677,9 +684,12 @@ class HboneConnection:
             self.flush()
         if self._closing or self.closed.done():
             return False
-        if self._out_size >= _HIGH_WATER:
-            # The peer does not read what we send (control replies included): read no more
-            # from it until the backlog drains (_on_writable resumes).
+        if self._ctl_backlog >= _CONTROL_BACKLOG:
+            # The peer does not read the replies it makes us queue (PING and SETTINGS ACKs,
+            # RST_STREAM, WINDOW_UPDATE): read no more from it until our output drains
+            # (_on_writable resumes). DATA is not counted: bridges stop at _HIGH_WATER, and a
+            # connection that stopped reading on bulk backlog alone could deadlock with a peer
+            # doing the same.
             self._pause_input()
             return False
         if n < _RECV_SIZE:  # drained: see _READ_BATCH
