@@ -688,3 +688,21 @@ def test_every_accepted_connection_gets_an_access_log_line(bed: Bed) -> None:
     assert all(r["direction"] == "inbound" for r in failed)
     # Reset before it was handled: still the real peer address, from accept().
     assert all(r["src.addr"].startswith(bed.m.ext.ip4 + ":") for r in failed), failed
+
+
+def test_defences_are_counted_in_metrics(bed: Bed) -> None:
+    """Every refusal or cut counts in ztunnel_guard_events_total{reason} (15020)."""
+    with connect_from(bed.m.b, "127.0.0.1", 15020) as s:
+        s.sendall(b"GET /stats/prometheus HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        body = bytearray()
+        while chunk := s.recv(65536):
+            body += chunk
+    text = body.decode(errors="replace")
+    counts = {
+        line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ztunnel_guard_events_total{")
+    }
+    # (the module's earlier tests ran the floods, the protocol errors, ALPN and early closes)
+    for reason in ("h2_flood", "h2_protocol_error", "alpn", "tls"):
+        assert counts.get(reason, 0) >= 1, (reason, counts)

@@ -480,3 +480,14 @@ def test_open_for_record_memo_matches_the_labels_and_follows_new_objects(
     rec.dst_workload = dataclasses.replace(SERVER, namespace="elsewhere")
     third = m.open_for_record(rec, mtls=True)
     assert as_dict(third.labels)["destination_workload_namespace"] == "elsewhere"
+
+
+def test_guard_events_count_by_reason(reg: CollectorRegistry) -> None:
+    """Issue 13: refusals and cuts by a limit or a protocol defence (Python-only metric)."""
+    m = Metrics(reg, process=False)
+    m.guard_event("h2_flood")
+    m.guard_event("h2_flood")
+    m.guard_event("fd_budget_connection")
+    text = encode(reg).decode()
+    assert 'ztunnel_guard_events_total{reason="h2_flood"} 2' in text
+    assert 'ztunnel_guard_events_total{reason="fd_budget_connection"} 1' in text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -126,6 +127,9 @@ class ProxyInstance:
                 lst.pass_peer = port == HBONE_PORT  # (an access-log line even once reset)
                 if self.ctx.metrics is not None:
                     lst.on_socket = _socket_gauge(self.ctx.metrics, reporter)
+                    lst.on_refused = functools.partial(
+                        self.ctx.metrics.guard_event, "fd_budget_connection"
+                    )
                 self.listeners.append(lst)
         except BaseException:
             for lst in self.listeners:

@@ -55,6 +55,7 @@ class Listener:
         self._refused_logged = 0.0
         self.budget: FdBudget | None = None
         self.pass_peer = False
+        self.on_refused: Callable[[], None] | None = None  # a connection refused (fd budget)
         self.on_socket: Callable[[bool], None] | None = None  # accepted (True) / closed (False)
 
     @property
@@ -101,6 +102,8 @@ class Listener:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
         conn.close()
         self.refused += 1
+        if self.on_refused is not None:
+            self.on_refused()
         now = time.monotonic()
         if now - self._refused_logged >= 1.0:
             self._refused_logged = now
