@@ -11,8 +11,11 @@ Run with atheris (``fuzz/run.py``, ``make fuzz``) or over the corpora in the uni
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import socket
+import ssl
 from collections.abc import Callable
 
 from ztunnel.admin.http import HttpError, RequestParser
@@ -153,6 +156,116 @@ def local_config(data: bytes) -> None:
         load_local_config(data.decode("utf-8", "replace"), "<fuzz>")
 
 
+# --- the TLS-to-h2 driver (hbone/transport.py) ----------------------------------------------
+
+_DRIVER: dict[str, object] = {}
+
+
+def _driver_setup() -> tuple[asyncio.AbstractEventLoop, ssl.SSLContext, ssl.SSLContext]:
+    if not _DRIVER:
+        from ztunnel.core.identity import Identity
+        from ztunnel.identity.localca import LocalCA
+        from ztunnel.identity.tls import client_context, server_context
+
+        ca = LocalCA.ephemeral()
+        _DRIVER["contexts"] = (
+            client_context(ca.issue(Identity("cluster.local", "default", "client"))),
+            server_context(ca.issue(Identity("cluster.local", "default", "server"))),
+        )
+        loop = asyncio.new_event_loop()
+        errors: list[object] = []
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        _DRIVER["loop"] = loop
+        _DRIVER["errors"] = errors
+    cctx, sctx = _DRIVER["contexts"]  # type: ignore[misc]
+    return _DRIVER["loop"], cctx, sctx  # type: ignore[return-value]
+
+
+def _memory_handshake(
+    cctx: ssl.SSLContext, sctx: ssl.SSLContext
+) -> tuple[ssl.SSLObject, ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO, ssl.MemoryBIO]:
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    client = cctx.wrap_bio(c_in, c_out, server_side=False, server_hostname=None)
+    server = sctx.wrap_bio(s_in, s_out, server_side=True)
+    done = [False, False]
+    for _ in range(10):
+        for i, (obj, out, peer_in) in enumerate(((client, c_out, s_in), (server, s_out, c_in))):
+            if not done[i]:
+                try:
+                    obj.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+            if out.pending:
+                peer_in.write(out.read())
+        if all(done):
+            break
+    assert all(done), "in-memory handshake did not complete"
+    return client, server, c_out, s_in, s_out
+
+
+def hbone_server(data: bytes) -> None:
+    """The server-side TLS + HTTP/2 driver (HboneConnection) on a socketpair, fed what a
+    client sends over TLS; requests answered 200 (bridged to a socketpair) or 400. No callback
+    may fail (the loop's exception handler counts as a crash) and no stream may be left."""
+    from ztunnel.hbone.transport import HboneConnection
+
+    loop, cctx, sctx = _driver_setup()
+    errors: list[object] = _DRIVER["errors"]  # type: ignore[assignment]
+    client, server, c_out, s_in, s_out = _memory_handshake(cctx, sctx)
+
+    async def run() -> None:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        apps: list[socket.socket] = []
+        tasks: list[asyncio.Task[object]] = []
+
+        def on_request(conn: HboneConnection, ev: h2.RequestReceived) -> None:
+            if ev.stream_id % 4 == 1:
+                conn.respond(ev.stream_id, 200, [], end_stream=False)
+                up, app = socket.socketpair()
+                up.setblocking(False)
+                apps.append(app)
+                tasks.append(loop.create_task(conn.bridge(ev.stream_id, up)))
+            else:
+                conn.respond(ev.stream_id, 400, [], end_stream=True)
+                conn.charge()
+            conn.release_stream(ev.stream_id)
+
+        conn = HboneConnection(
+            b,
+            server,
+            s_in,
+            s_out,
+            h2.H2Connection(False, hold_streams=True),
+            on_request=on_request,
+            keepalive=False,
+        )
+        try:
+            for piece in [h2.PREFACE + _SETTINGS, *_chunks(data)]:
+                client.write(piece)
+                with contextlib.suppress(OSError):
+                    a.send(c_out.read())
+                await asyncio.sleep(0)
+            for _ in range(3):
+                await asyncio.sleep(0)
+        finally:
+            conn.close()
+            await asyncio.sleep(0)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            a.close()
+            for app in apps:
+                app.close()
+        assert conn.closed.done()
+
+    loop.run_until_complete(run())
+    if errors:
+        raise AssertionError(f"unhandled error in a loop callback: {errors[0]}")
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "h2_server": h2_server,
     "h2_client": h2_client,
@@ -163,4 +276,5 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "xds_authorization": xds_authorization,
     "admin_http": admin_http,
     "local_config": local_config,
+    "hbone_server": hbone_server,
 }
