@@ -33,7 +33,8 @@ def run_one(name: str, args: list[str]) -> None:
     if not any(not a.startswith("-") for a in args):
         out = tempfile.mkdtemp(prefix=f"fuzz-{name}-")
         args = [*args, out, str(CORPUS / name)]
-    atheris.Setup([sys.argv[0], *args], target)
+    # argv[0] is how libFuzzer re-runs itself (-merge, -fork): through a shell, so this works.
+    atheris.Setup([f"{sys.executable} {Path(__file__).resolve()} {name}", *args], target)
     atheris.Fuzz()
 
 

@@ -844,7 +844,9 @@ class HboneConnection:
         self._early.clear()
         for b in list(self._bridges.values()):
             b.abort(exc)
-        if self.protocol_error is not None and self._out:
+        if self.protocol_error is not None:
+            # (also with nothing left to send: closing with unread input would send a RST
+            # that purges a GOAWAY still in the kernel's send queue)
             self._linger_close()
         else:
             self.sock.close()
