@@ -1,16 +1,15 @@
 """Inbound HBONE 15008: terminate mTLS and HTTP/2, validate each CONNECT, connect to the app.
 
 Status codes follow istio/ztunnel ``src/proxy/inbound.rs`` (reference 2.3): 400 for a bad method,
-authority or IP mismatch, 503 when the local workload is unknown, for a call to ztunnel's own
-ports or when the app refuses, 200 then raw bytes. Error responses are headers-only with
-END_STREAM. The app is always dialled at the IP the connection arrived on (Rust
-``find_inbound_upstream``); the authority gives the port.
+authority or IP mismatch, 503 when the local workload is unknown or the app refuses, 200 then raw
+bytes. Error responses are headers-only with END_STREAM.
 
 Every accepted connection gets one access-log line however it ends ("connection failed" with
 the reason when it ends before a stream is served, as Rust's ``log_early_deny``). The HTTP/2
 endpoint holds each stream until its task is done (``hold_streams``), so a stream reset by the
-peer still counts against the 200-stream limit while its upstream connect runs (rapid reset), and
-new streams are refused (REFUSED_STREAM) while the process is within its fd reserve.
+peer still counts against the 200-stream limit while its upstream connect runs (rapid reset);
+stream tasks start a batch per loop iteration; new streams are refused (REFUSED_STREAM) while
+the process is within its fd reserve, and malformed requests count against the peer's budget.
 """
 
 from __future__ import annotations
@@ -27,11 +26,18 @@ from collections.abc import Callable
 from typing import Any
 
 from ztunnel.config import HBONE_PORT, ILLEGAL_PORTS
-from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr, parse_ip
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import BAGGAGE, FORWARDED, baggage, forwarded_host, parse_baggage
+from ztunnel.hbone.headers import (
+    BAGGAGE,
+    FORWARDED,
+    X_FORWARDED_NETWORK,
+    baggage,
+    forwarded_host,
+    parse_baggage,
+)
 from ztunnel.hbone.transport import AlpnRefused, HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
@@ -44,11 +50,20 @@ from ztunnel.proxy.context import (
     log_failed,
 )
 from ztunnel.proxy.hbone_outbound import HboneSettings
-from ztunnel.state.model import NetworkAddress, Workload
+from ztunnel.proxy.inbound_route import (
+    InboundTarget,
+    find_inbound_upstream,
+    localhost_tunnel,
+    parse_hbone_address,
+    proxy_v2_header,
+    validate_destination,
+)
+from ztunnel.state.model import AppTunnelProtocol, NetworkAddress, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
 
-SELF_CALL = "attempted recursive call to ourselves"  # Rust Error::SelfCall
+_LOOPBACK4 = parse_ip("127.0.0.1")
+_LOOPBACK6 = parse_ip("::1")
 _UNKNOWN_PEER = SocketAddr.parse("0.0.0.0:0")
 
 
@@ -92,30 +107,6 @@ class _FairStarter:
             queue.popleft()()
         if queue or self.started:
             self._arm()
-
-
-def destination_error(arrival: IPAddr, target: SocketAddr, local: Workload) -> str | None:
-    """Why a CONNECT to ``target`` on a connection that arrived at ``arrival`` is refused (400),
-    or None (Rust ``Inbound::validate_destination``): the authority's IP must be the one the
-    connection arrived on, unless the local workload has an application tunnel. (Rust also
-    accepts a target whose waypoint is this pod: that is the waypoint work of issue 17.)"""
-    if target.ip == arrival:
-        return None
-    if local.application_tunnel is not None:
-        return None
-    return f"ip mismatch: {arrival} != {target.ip}"
-
-
-def upstream_for(arrival: IPAddr, target: SocketAddr) -> SocketAddr:
-    """Where the app is dialled: always the IP the connection arrived on, with the authority's
-    port (Rust ``find_inbound_upstream``)."""
-    return SocketAddr(arrival, target.port)
-
-
-def self_call(upstream: SocketAddr) -> bool:
-    """A call to one of ztunnel's own ports (15001, 15006, 15008): Rust ``Error::SelfCall``,
-    answered 503. Stats 15020 and readiness 15021 are not among them, as in Rust."""
-    return upstream.port in ILLEGAL_PORTS
 
 
 class InboundHbone:
@@ -292,17 +283,18 @@ class InboundHbone:
         # transient one, no closure, and the request event (its header list is most of its size)
         # is dropped once read.
         sid = ev.stream_id
-        rec = await self._admit(conn, ev, src, arrival, peer_id)
+        admitted = await self._admit(conn, ev, src, arrival, peer_id)
         del ev
-        if rec is None:
+        if admitted is None:
             return
+        rec, tunnel = admitted
         task = asyncio.current_task()
         ctx = self.ctx
         with ctx.tracked(rec):
             if task in unbridged:
                 unbridged[task] = rec
             try:
-                upstream = await ctx.sockets.connect(rec.dst, spoof_source=src.ip)
+                upstream = await self._connect_app(rec, tunnel)
             except ProxyError as e:
                 _reject(conn, sid, src, 503, e, rec)
                 return
@@ -314,6 +306,27 @@ class InboundHbone:
             rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
             rec.log_complete(reportable(bridge.error))
 
+    async def _connect_app(self, rec: ConnectionRecord, target: InboundTarget) -> socket.socket:
+        """Rust serve_connect: connect to the app, from the client's IP unless
+        ``ENABLE_ORIG_SRC=false``; a PROXY application tunnel goes to loopback (with
+        ``LOCALHOST_APP_TUNNEL``) and starts with the PROXY v2 header."""
+        ctx = self.ctx
+        tunnel = target.tunnel
+        if localhost_tunnel(tunnel, ctx.config.localhost_app_tunnel):
+            loopback = _LOOPBACK4 if rec.dst.ip.version == 4 else _LOOPBACK6
+            upstream = await ctx.sockets.connect(SocketAddr(loopback, rec.dst.port))
+        else:
+            spoof = rec.src.ip if ctx.config.enable_orig_src is not False else None
+            upstream = await ctx.sockets.connect(rec.dst, spoof_source=spoof)
+        if tunnel is not None and tunnel.protocol is AppTunnelProtocol.PROXY:
+            header = proxy_v2_header(rec.src, tunnel.target, rec.src_identity)
+            try:
+                await asyncio.get_running_loop().sock_sendall(upstream, header)
+            except BaseException:
+                upstream.close()
+                raise
+        return upstream
+
     async def _admit(
         self,
         conn: HboneConnection,
@@ -321,9 +334,11 @@ class InboundHbone:
         src: SocketAddr,
         arrival: IPAddr,
         peer_id: Identity,
-    ) -> ConnectionRecord | None:
-        """Validate the CONNECT, open the connection's record and metrics, authorize it: the
-        record, or None once the stream was refused (and that logged)."""
+    ) -> tuple[ConnectionRecord, InboundTarget] | None:
+        """Rust build_inbound_request: validate the CONNECT and decide its upstream
+        (``inbound_route``); then open the connection's record and metrics and authorize it.
+        The record and where to connect, or None once the stream was refused (and that
+        logged: before a record exists as an early denial, as Rust's log_early_deny)."""
         ctx = self.ctx
         sid = ev.stream_id
         bad = h2.connect_request_error(ev)
@@ -332,33 +347,38 @@ class InboundHbone:
             return None
         assert ev.authority is not None
         try:
-            target = SocketAddr.parse(ev.authority)
-        except ValueError:
-            _reject(conn, sid, src, 400, f"invalid authority {ev.authority!r}")
+            target = parse_hbone_address(ev.authority)
+        except ValueError as e:
+            _reject(conn, sid, src, 400, e)
             return None
         local = await ctx.wait_local_workload()
-        if local is not None:
-            # Rust build_inbound_request: these are early denies (one access-log line, no
-            # connection metrics), before the connection's record exists.
-            upstream = upstream_for(arrival, target)
-            why = destination_error(arrival, target, local)
-            status = 400
-            if why is None and self_call(upstream):
-                why, status = SELF_CALL, 503
-            if why is not None:
-                conn.respond(sid, status, [], end_stream=True)
-                conn.charge()
-                log_failed("inbound", src, SocketAddr(arrival, HBONE_PORT), Exception(why))
-                return None
+        if local is None:
+            _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, arrival=arrival)
+            return None
+        network = ctx.config.network
+        try:
+            validate_destination(ctx.state, network, arrival, local, target)
+            decided = find_inbound_upstream(
+                ctx.state, network, arrival, local, target, ILLEGAL_PORTS
+            )
+        except ProxyError as e:
+            _reject(conn, sid, src, e.status, e, arrival=arrival)
+            return None
+        # Rust build_inbound_request: a request that crossed a network gateway (the inner CONNECT
+        # of double HBONE names another origin network) comes from an address that means
+        # nothing here: the source is known only from its baggage.
+        origin = _header(ev.headers, X_FORWARDED_NETWORK)
+        from_gateway = origin is not None and origin.lower() != network.lower()
         rec = ConnectionRecord(
             "inbound",
             src,
-            upstream_for(arrival, target),
+            decided.upstream,
             hbone_addr=target,
-            src_workload=ctx.state.find_workload_by_addr(
-                NetworkAddress(ctx.config.network, src.ip)
-            ),
+            src_workload=None
+            if from_gateway
+            else ctx.state.find_workload_by_addr(NetworkAddress(network, src.ip)),
             dst_workload=local,
+            dst_service=decided.services[0] if isinstance(target, HostnameAuthority) else None,
             src_identity=peer_id,
             dst_identity=ctx.local_identity(),
             counters=CopyCounters(),
@@ -369,15 +389,12 @@ class InboundHbone:
             baggage=parse_baggage(_header(ev.headers, BAGGAGE)),
             for_host=forwarded_host(_header(ev.headers, FORWARDED)),
         )
-        if local is None:
-            _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, rec)
-            return None
         try:
             ctx.authorize(rec, local)
         except AuthorizationDenied as e:
             _reject(conn, sid, src, 401, e, rec)
             return None
-        return rec
+        return rec, decided
 
     def _response_headers(self, local: Workload | None) -> list[tuple[str, str]]:
         cfg = self.ctx.config
@@ -397,14 +414,19 @@ def _reject(
     status: int,
     why: str | BaseException,
     rec: ConnectionRecord | None = None,
+    *,
+    arrival: IPAddr | None = None,
 ) -> None:
-    """Refuse the stream with a headers-only response; log it (as the connection's outcome
-    once it has a record). A malformed request (400) counts against the peer's budget."""
+    """Refuse the stream with a headers-only response; log it: as the connection's outcome once
+    it has a record, else as Rust's early denial ("connection failed", dst.addr the address the
+    connection arrived at) once the arrival address is known, else as a rejected request."""
     conn.respond(sid, status, [], end_stream=True)
     if status == 400:
-        conn.charge()
+        conn.charge()  # a malformed request counts against the peer's budget
     if rec is not None:
         rec.log_complete(why)
+    elif arrival is not None:
+        log_failed("inbound", src, SocketAddr(arrival, HBONE_PORT), why)
     else:
         log.warning(
             "inbound HBONE request rejected",
