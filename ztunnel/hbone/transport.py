@@ -856,7 +856,15 @@ class HboneConnection:
         """After a GOAWAY for a protocol error: hand the socket to a bounded graceful close
         (what is queued is sent, then FIN; input is discarded), so the peer reads the GOAWAY
         instead of a RST that would discard it."""
-        _LingeringClose(self.loop, self.sock, self._out)
+        # On a dup: whoever gave us the socket closes it when its handler returns (the Listener
+        # does), and closing an fd uvloop still watches would corrupt its state.
+        try:
+            sock = self.sock.dup()
+        except OSError:  # (out of fds: a plain close)
+            self.sock.close()
+            return
+        self.sock.close()
+        _LingeringClose(self.loop, sock, self._out)
         self._out = []
         self._out_size = 0
 
