@@ -1650,3 +1650,21 @@ def test_header_table_size_updates_stay_bounded() -> None:
     for size in (100, 0, 4096, 50, 4096, 200) * 5:
         s.receive_data(frame(SETTINGS, 0, 0, settings_payload(header_table_size=size)))
     assert s._table_size_updates == [0, 200]
+
+
+def test_request_reset_in_the_same_batch_then_response_is_stream_closed() -> None:
+    """Found by fuzzing (fuzz/corpus/h2_server/found-reset-in-same-batch): HEADERS and then
+    RST_STREAM for the same stream in one receive_data call yield RequestReceived then
+    StreamReset; answering the request afterwards raises StreamClosedError (the documented race
+    the transport suppresses), and with hold_streams the stream still counts until released."""
+    s, enc = raw_server(hold_streams=True)
+    ev = s.receive_data(
+        frame(HEADERS, FLAG_END_HEADERS, 1, connect_block(enc))
+        + frame(RST_STREAM, 0, 1, struct.pack(">I", ErrorCode.CANCEL))
+    )
+    assert [type(e) for e in ev] == [RequestReceived, StreamReset]
+    with pytest.raises(StreamClosedError):
+        s.send_response(1, 200)
+    assert s.held_streams == 1
+    s.release_stream(1)
+    assert s.held_streams == 0
