@@ -12,7 +12,8 @@ and no traceback or internal error in its log. ztunnel must also get back to its
 Covered: the eight attacks of the issue (SETTINGS cost, rapid reset, early data then reset,
 replies never read, empty CONTINUATION, fd exhaustion, a connection error while a stream is
 bridged, one before any stream), the flood classes of RFC 9113 10.5 and CVE-2019-9511..9518
-(ping, settings, priority, reset, empty frames, 0-length headers, window-update dribble),
+(9511 data dribble, 9512 ping, 9513 priority, 9514 reset, 9515 settings, 9516 0-length
+headers, 9517 unread responses, 9518 empty frames; window-update and unknown-frame floods),
 CVE-2023-44487 and CVE-2024-27316; plus ALPN, multi-SAN certificates, ztunnel's own ports
 through a tunnel and the access log of connections that end early.
 """
@@ -570,6 +571,26 @@ def test_invalid_requests_flood(bed: Bed, name: str, fields: list[tuple[str, str
         p.close()
 
     bed.attack(attack)
+
+
+def test_9511_data_dribble(bed: Bed) -> None:
+    """CVE-2019-9511: a 1-byte stream window and WINDOW_UPDATEs of 1 byte, so that the app's
+    data goes out a byte per frame: the WINDOW_UPDATE budget ends it (ENHANCE_YOUR_CALM),
+    and while the window is closed ztunnel stops reading from the app."""
+    source = start_app(bed.m.b, "source", "--bytes", str(64 << 20), ports=(9197,))
+    try:
+
+        def attack() -> None:
+            p = bed.peer(window=1)
+            sid = p.headers(f"{bed.m.b.ip4}:9197")
+            assert p.status(sid) == 200
+            count_frames(frame(WINDOW_UPDATE, 0, sid, b"\0\0\0\x01"), 200_000)(p)
+            assert p.goaway() == ErrorCode.ENHANCE_YOUR_CALM
+            p.close()
+
+        bed.attack(attack)
+    finally:
+        source.stop()
 
 
 def test_9517_unread_responses_stay_bounded(bed: Bed) -> None:
