@@ -21,6 +21,7 @@ through a tunnel and the access log of connections that end early.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import select
 import socket
@@ -274,6 +275,11 @@ class Watch:
         assert n >= 5, done
         self.worst, self.median = worst, median
         growth = max(self.rss) - base_rss
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
+        print(
+            f"[bounds] {test}: honest worst {worst:.1f} ms (median {median:.2f}, {n} samples), "
+            f"RSS +{growth / (1 << 20):.1f} MiB, max fds {max(self.fds)}"
+        )
         assert growth < MAX_RSS_GROWTH, f"RSS grew by {growth >> 20} MiB"
         assert max(self.fds) < MAX_FDS, max(self.fds)
         assert not self.zt.internal_errors(), self.zt.internal_errors()
