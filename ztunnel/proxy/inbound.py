@@ -194,7 +194,7 @@ class InboundHbone:
                 src, arrival, "tls", f"TLS handshake failed: {e or type(e).__name__}"
             )
             return
-        tasks: set[asyncio.Task[None]] = set()
+        tasks: dict[asyncio.Task[None], int] = {}  # stream task -> its stream id
         # Stream tasks not yet bridged (admission, upstream connect) -> their record, if any:
         # once the connection is gone nobody can be answered, so they are cancelled.
         unbridged: dict[asyncio.Task[None], ConnectionRecord | None] = {}
@@ -202,6 +202,11 @@ class InboundHbone:
         # Shared by the connection's stream tasks and their done callbacks (see Listener).
         context = contextvars.copy_context()
         budget = ctx.sockets.budget
+
+        def done(t: asyncio.Task[None]) -> None:  # (one per connection, not per stream)
+            sid = tasks.pop(t)
+            unbridged.pop(t, None)
+            conn.release_stream(sid)  # the stream stops counting only now
 
         def on_request(conn: HboneConnection, ev: h2.RequestReceived) -> None:
             sid = ev.stream_id
@@ -219,14 +224,8 @@ class InboundHbone:
                 task = loop.create_task(
                     self._serve(conn, ev, src, arrival.ip, peer_id, unbridged), context=context
                 )
-                tasks.add(task)
+                tasks[task] = sid
                 unbridged[task] = None
-
-                def done(t: asyncio.Task[None]) -> None:
-                    tasks.discard(t)
-                    unbridged.pop(t, None)
-                    conn.release_stream(sid)  # the stream stops counting only now
-
                 task.add_done_callback(done, context=context)
 
             self._starter.submit(start)
@@ -259,12 +258,12 @@ class InboundHbone:
                     rec.close_reason = "HBONE connection closed before the stream was served"
                 t.cancel()
             if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*list(tasks), return_exceptions=True)
         except asyncio.CancelledError:
-            for t in tasks:
+            for t in list(tasks):
                 t.cancel()
             if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*list(tasks), return_exceptions=True)
             conn.close()
             raise
         finally:
