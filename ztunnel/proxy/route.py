@@ -23,7 +23,7 @@ from ztunnel.state.model import (
     TunnelProtocol,
     Workload,
 )
-from ztunnel.state.store import State
+from ztunnel.state.store import State, pick_workload_ip
 
 
 class RouteKind(enum.Enum):
@@ -74,19 +74,23 @@ def decide_outbound(
         raise SelfCallError(dst)
 
     # A service VIP wins over a workload IP here (unlike find_address), as in outbound.rs.
+    # Among services sharing the VIP (or a CIDR VIP holding it), the best one visible to the
+    # source's namespace (Rust find_upstream -> get_best_by_vip).
     net_addr = NetworkAddress(network, dst.ip)
-    svc = state.find_service_by_vip(net_addr)
+    svc = state.find_service_by_vip(net_addr, source.namespace if source is not None else None)
     if svc is not None:
         if svc.waypoint is not None and not _is_waypoint_of(source, svc.waypoint, state):
             return _to_waypoint(state, svc.waypoint, dst, source, rng, service=svc)
+        mode = svc.load_balancing.mode if svc.load_balancing else LoadBalancerMode.UNSPECIFIED
+        if mode is LoadBalancerMode.PASSTHROUGH:
+            # Rust find_upstream: a PASSTHROUGH service always goes to the original destination.
+            return Route(RouteKind.PASSTHROUGH, dst, destination_service=svc)
         picked = state.load_balance(svc, dst.port, source, rng)
         if picked is None:
-            mode = svc.load_balancing.mode if svc.load_balancing else LoadBalancerMode.UNSPECIFIED
-            if mode is LoadBalancerMode.PASSTHROUGH:
-                return Route(RouteKind.PASSTHROUGH, dst, destination_service=svc)
             raise NoHealthyUpstream(svc.hostname)
         endpoint, target_port = picked
-        return _to_workload(endpoint, target_port, svc, network)
+        ip = pick_workload_ip(endpoint, dst.ip, svc.ip_families)
+        return _to_workload(endpoint, target_port, svc, network, ip=ip)
 
     wl = state.find_workload_by_addr(net_addr)
     if wl is not None:
@@ -106,7 +110,7 @@ def _to_workload(
             "routing is not supported yet"
         )
     if ip is None:
-        ip = _pick_ip(wl)
+        ip = _pick_ip(wl)  # raises: no usable IP
     if wl.protocol is TunnelProtocol.HBONE:
         expected = (wl.identity, *_service_sans(svc))
         return Route(

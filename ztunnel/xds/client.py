@@ -190,6 +190,8 @@ def build_node(config: Config, env: Mapping[str, str]) -> ds.Node:
         ("NODE_NAME", config.node_name),
     ):
         fields[key].string_value = value
+    for key, value in config.proxy_metadata:  # mesh config / PROXY_CONFIG proxyMetadata
+        fields[key].string_value = value
     for key in sorted(env):
         if key.startswith(ISTIO_META_PREFIX) and len(key) > len(ISTIO_META_PREFIX):
             fields[key[len(ISTIO_META_PREFIX) :]].string_value = env[key]
@@ -254,7 +256,7 @@ class AdsClient:
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
         self._connect_timeout = connect_timeout
-        self._decoders: dict[str, Callable[[bytes], None]] = {
+        self._decoders: dict[str, Callable[[str, bytes], None]] = {
             ADDRESS_TYPE_URL: self._apply_address,
             AUTHORIZATION_TYPE_URL: self._apply_authorization,
         }
@@ -416,15 +418,16 @@ class AdsClient:
 
     # -- responses ------------------------------------------------------------------------------
 
-    def _apply_address(self, data: bytes) -> None:
+    def _apply_address(self, name: str, data: bytes) -> None:
         obj = decode_address(data)
         if isinstance(obj, Workload):
             self._handler.upsert_workload(obj)
         else:
             self._handler.upsert_service(obj)
 
-    def _apply_authorization(self, data: bytes) -> None:
-        self._handler.upsert_policy(decode_authorization(data))
+    def _apply_authorization(self, name: str, data: bytes) -> None:
+        # Keyed by the resource name, as Rust's policy store is (a removal names it).
+        self._handler.upsert_policy(decode_authorization(data, name))
 
     def _handle_response(self, resp: ds.DeltaDiscoveryResponse) -> ds.DeltaDiscoveryRequest:
         """Apply one response; return the ACK or NACK to send."""
@@ -457,7 +460,7 @@ class AdsClient:
                         raise ConversionError(
                             "resource.type_url", f"{payload.type_url!r} in a {type_url} response"
                         )
-                    apply(payload.value)
+                    apply(res.name, payload.value)
                 except ConversionError as e:
                     rejections.append(Rejection(res.name, str(e)))
                     continue
