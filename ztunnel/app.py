@@ -368,3 +368,13 @@ class _Updater(StateUpdater):
             and (workload.protocol is TunnelProtocol.HBONE or workload.native_tunnel)
         ):
             self.secrets.prefetch(workload.identity)
+
+    def remove_address(self, name: str) -> None:
+        # Rust ProxyStateUpdater::remove_internal: a real removal whose identity was the last
+        # on this node clears its certificate (renewal task and key go with it).
+        old = self.state.find_workload_by_uid(name)
+        super().remove_address(name)
+        if old is None or (self.node and old.node != self.node):
+            return
+        if not self.state.identity_on_node(old.namespace, old.service_account, self.node):
+            self.secrets.forget(old.identity)
