@@ -28,11 +28,13 @@ from ztunnel.admin.stats import StatsHandler
 from ztunnel.config import Config, CopyMode, ProxyMode
 from ztunnel.core.addr import IPAddr, parse_ip
 from ztunnel.identity.caclient import IstioCAClient
+from ztunnel.identity.crl import CrlError, CrlManager
 from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
+from ztunnel.identity.tls import TlsPolicy
 from ztunnel.inpod.client import ZdsClient
 from ztunnel.inpod.manager import InPodManager
-from ztunnel.metrics import Metrics
+from ztunnel.metrics import Family, Metrics
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import ProxyInstance, instance_factory
 from ztunnel.state.authz import PolicyIndex
@@ -95,12 +97,32 @@ class App:
             len(local.policies),
         )
 
+    def _tls_policy(self) -> TlsPolicy:
+        """TLS12_ENABLED and CRL_PATH for every context built from our certificates."""
+        cfg = self.config
+        crl = None
+        if cfg.crl_path is not None:
+            rejections = Family(
+                "istio_crl_policy_rejections",
+                "The total number of connections rejected due to CRL certificate revocation "
+                "(unstable)",
+                "counter",
+                ("reporter",),
+                registry=self.registry,
+            )
+            try:
+                crl = CrlManager(cfg.crl_path, on_reject=lambda r: rejections.labels(r).inc())
+            except CrlError as e:
+                raise StartupError(f"CRL_PATH: {e}") from None
+        return TlsPolicy(tls12=cfg.tls12_enabled, crl=crl)
+
     def _build_secrets(self) -> SecretManager:
         cfg = self.config
+        policy = self._tls_policy()
         if cfg.ca_address is not None:
             self.ca_client = IstioCAClient.from_config(cfg)
             log.info("certificates from the Istio CA at %s", cfg.ca_address)
-            return SecretManager(self.ca_client)
+            return SecretManager(self.ca_client, tls_policy=policy)
         if cfg.local_ca_dir is not None:
             ca = LocalCA.load_or_create(
                 cfg.local_ca_dir, trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl
@@ -109,7 +131,7 @@ class App:
         else:
             ca = LocalCA.ephemeral(trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl)
             log.info("local CA: ephemeral in-memory root (set ZTUNNEL_LOCAL_CA_DIR to share one)")
-        return SecretManager(ca)
+        return SecretManager(ca, tls_policy=policy)
 
     def _instance_ips(self) -> frozenset[IPAddr]:
         return (
