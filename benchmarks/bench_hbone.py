@@ -607,6 +607,11 @@ VARIANTS: dict[str, Variant] = {
             "experiment: the same via ctypes mallopt() at start-up (what the product could do)",
         ),
         Variant(
+            "no-verify-cb",
+            _patched("no_verify_cb"),
+            "experiment: product path without the in-handshake verify callback (trust domain, CRL)",
+        ),
+        Variant(
             "big-frames",
             _patched("big_frames"),
             "experiment: product path, DATA frames up to 1 MiB (send_frame_size) instead of 64 KiB",

@@ -17,6 +17,8 @@ code and are never imported by it. ``ZT_BENCH_PATCH`` is a comma-separated list 
   ``HboneConnection`` encrypts straight to the kernel (``SSLSocket.write``, retried with the same
   bytes after SSLWantWriteError) and decrypts straight from it (``SSLSocket.recv_into`` per
   record). Removes the ciphertext copies into/out of the BIOs and the per-flush ciphertext bytes.
+* ``no_verify_cb``: the product path without the OpenSSL verify callback that makes the
+  trust-domain and CRL checks inside the handshake (``ztunnel/identity/osslverify.py``).
 * ``mallopt``: call glibc ``mallopt`` at start-up (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD)
   so large transient buffers are reused instead of brk/munmap'ed and re-faulted every flush.
 
@@ -48,7 +50,16 @@ def apply_from_env() -> None:
             "mallopt": mallopt,
             "big_frames": big_frames,
             "sslsocket": sslsocket,
+            "no_verify_cb": no_verify_cb,
         }[name]()
+
+
+def no_verify_cb() -> None:
+    """The product path without the in-handshake verify callback (identity/osslverify.py):
+    measures what the trust-domain / CRL hook costs."""
+    from ztunnel.identity import osslverify
+
+    osslverify.install = lambda ctx, check: False  # type: ignore[assignment]
 
 
 def big_frames() -> None:
