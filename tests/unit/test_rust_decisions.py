@@ -499,8 +499,7 @@ def test_policy_keyed_by_xds_resource_name() -> None:
 def test_enable_orig_src_false_is_read() -> None:
     # Rust config: require_original_source = parse(ENABLE_ORIG_SRC); false turns spoofing off
     # for the listeners and for the upstream connection to the app (proxy.rs
-    # maybe_set_transparent). The upstream part lives in proxy/inbound.py (README
-    # "Compatibility").
+    # maybe_set_transparent); end to end in tests/netns/test_orig_src.py.
     assert Config.from_env({"ENABLE_ORIG_SRC": "false"}).enable_orig_src is False
 
 
