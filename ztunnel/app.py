@@ -160,6 +160,8 @@ class App:
             self.xds = AdsClient(
                 cfg, _Updater(self.state, self.secrets, cfg.node_name), env=os.environ
             )
+            if cfg.xds_on_demand:  # lookups of unknown addresses ask istiod (Rust Demander)
+                self.state.demander = self.xds.demand
             self.xds.start()
             self._spawn(self._when_synced(self.xds, xds_ready))
             log.info("xDS: connecting to %s", cfg.xds_address)

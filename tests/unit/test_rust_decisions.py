@@ -591,3 +591,45 @@ def test_prefered_service_namespace_ranks_hostnames() -> None:
     assert got is not None and got.namespace == "istio-system"
     got = st.find_service_by_hostname("h.example.com", "c")
     assert got is not None and got.namespace == "a"
+
+
+# --- row: ServiceEntry endpoints resolved by DNS (workload hostname) ----------------------------
+
+
+async def test_hostname_endpoint_is_resolved_preferring_the_original_family() -> None:
+    # Rust pick_workload_destination_or_resolve -> resolve_workload_address (counts
+    # on_demand_dns) -> resolve_on_demand_dns: an address of the original destination's
+    # family, else any; none is NoResolvedAddresses.
+    from ztunnel.proxy.route import NeedsResolution, NoResolvedAddresses, decide_outbound_resolving
+
+    feed = Feed()
+    ep = pod("se", "a", hbone=False, services={key("ext", "a"): {}})
+    ep.workload.hostname = "api.example.com"
+    feed.addresses(service("ext", "a", b("10.96.0.99"), b("fd96::99"), ports={443: 443}), ep)
+    src = client_in(feed, "a")
+    dst = SocketAddr(IP4("10.96.0.99"), 443)
+    with pytest.raises(NeedsResolution):
+        decide_outbound(feed.state, src, dst)
+    asked: list[str] = []
+    counted: list[str] = []
+
+    async def resolve(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+        asked.append(host)
+        return [IP6("2001:db8::1"), IP4("192.0.2.7")]
+
+    def on_dns(s: Workload | None, w: Workload) -> None:
+        counted.append(w.hostname)
+
+    r = await decide_outbound_resolving(feed.state, src, dst, resolve=resolve, on_dns=on_dns)
+    assert r.kind is RouteKind.DIRECT and r.target == SocketAddr(IP4("192.0.2.7"), 443)
+    r6 = await decide_outbound_resolving(
+        feed.state, src, SocketAddr(IP6("fd96::99"), 443), resolve=resolve, on_dns=on_dns
+    )
+    assert r6.target == SocketAddr(IP6("2001:db8::1"), 443)
+    assert asked == counted == ["api.example.com", "api.example.com"]
+
+    async def nothing(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+        return []
+
+    with pytest.raises(NoResolvedAddresses):
+        await decide_outbound_resolving(feed.state, src, dst, resolve=nothing)

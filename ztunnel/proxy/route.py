@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ztunnel.config import ILLEGAL_PORTS
 from ztunnel.core.addr import IPAddr, SocketAddr
-from ztunnel.core.errors import NoHealthyUpstream, SelfCallError, UnsupportedRoute
+from ztunnel.core.errors import NoHealthyUpstream, ProxyError, SelfCallError, UnsupportedRoute
 from ztunnel.core.identity import Identity
 from ztunnel.state.model import (
     GatewayAddress,
@@ -110,6 +110,8 @@ def _to_workload(
             "routing is not supported yet"
         )
     if ip is None:
+        if not wl.addresses and wl.hostname:
+            raise NeedsResolution(wl, port, svc)
         ip = _pick_ip(wl)  # raises: no usable IP
     if wl.protocol is TunnelProtocol.HBONE:
         expected = (wl.identity, *_service_sans(svc))
@@ -126,10 +128,26 @@ def _to_workload(
     )
 
 
+class NeedsResolution(Exception):
+    """Not a refusal: the chosen endpoint is known only by ``hostname`` (a ServiceEntry with
+    DNS resolution); :func:`decide_outbound_resolving` resolves it and finishes the route."""
+
+    def __init__(self, workload: Workload, port: int, service: Service | None) -> None:
+        super().__init__(f"workload {workload.uid} needs DNS resolution of {workload.hostname}")
+        self.workload = workload
+        self.port = port
+        self.service = service
+
+
+class NoResolvedAddresses(ProxyError):
+    """Rust Error::NoResolvedAddresses / EmptyResolvedAddresses."""
+
+
 def _pick_ip(wl: Workload) -> IPAddr:
     if not wl.addresses:
         raise UnsupportedRoute(
-            f"workload {wl.uid} has no address (DNS-resolved workloads are not supported yet)"
+            f"workload {wl.uid} has no address and no hostname (network gateways are not "
+            "supported yet)"
         )
     return wl.addresses[0]
 
@@ -197,3 +215,46 @@ def _to_waypoint(
         destination_service=service,
         via_waypoint=True,
     )
+
+
+Resolver = Callable[[str], Awaitable[Sequence[IPAddr]]]
+
+
+async def decide_outbound_resolving(
+    state: State,
+    source: Workload | None,
+    dst: SocketAddr,
+    *,
+    resolve: Resolver,
+    network: str = "",
+    local_ips: Collection[IPAddr] = (),
+    on_dns: Callable[[Workload | None, Workload], None] | None = None,
+    rng: random.Random | None = None,
+) -> Route:
+    """:func:`decide_outbound`, with the two things Rust's ``build_request`` awaits first:
+
+    * on-demand xDS: an unknown destination address is fetched from the control plane
+      (``DemandProxyState::fetch_address``) when ``state.demander`` is set;
+    * a chosen endpoint known only by hostname is resolved (``resolve_on_demand_dns``; counted
+      by ``on_dns``): an address of the original destination's family if there is one, else
+      any, picked at random; none is ``NoResolvedAddresses``.
+    """
+    if state.demander is not None:
+        ns = source.namespace if source is not None else None
+        await state.fetch_address(NetworkAddress(network, dst.ip), ns)
+    try:
+        return decide_outbound(state, source, dst, network=network, local_ips=local_ips, rng=rng)
+    except NeedsResolution as need:
+        wl = need.workload
+        if on_dns is not None:
+            on_dns(source, wl)
+        try:
+            ips = list(await resolve(wl.hostname))
+        except OSError as e:
+            raise NoResolvedAddresses(f"no resolved addresses for {wl.uid}: {e}") from None
+        if not ips:
+            raise NoResolvedAddresses(f"empty resolved addresses for {wl.uid}") from None
+        same = [ip for ip in ips if ip.version == dst.ip.version]
+        r = rng if rng is not None else random
+        ip = r.choice(same or ips)
+        return _to_workload(wl, need.port, need.service, network, ip=ip)

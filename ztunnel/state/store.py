@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -215,6 +215,7 @@ class State:
         "_services",
         "_subscribers",
         "_workloads",
+        "demander",
     )
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -238,6 +239,9 @@ class State:
         self._policies_by_ns: dict[str, dict[str, None]] = {}
         self._subscribers: list[Subscriber] = []
         self._generation = 0
+        # XDS_ON_DEMAND: asks the control plane for one resource name (a workload uid, a
+        # "ns/hostname" or "<network>/<ip>") and returns once it answered (Rust Demander).
+        self.demander: Callable[[str], Awaitable[None]] | None = None
 
     # --- change notification -------------------------------------------------------------
 
@@ -504,6 +508,25 @@ class State:
         if w is not None:
             return w
         return self.find_service_by_vip(addr, namespace)
+
+    async def fetch_address(
+        self, addr: NetworkAddress, namespace: str | None = None
+    ) -> Workload | Service | None:
+        """:meth:`find_address`, asking the control plane for ``"<network>/<ip>"`` first when
+        it is unknown and on-demand xDS is on (Rust ``DemandProxyState::fetch_address``)."""
+        found = self.find_address(addr, namespace)
+        if found is not None or self.demander is None:
+            return found
+        await self.demander(str(addr))
+        return self.find_address(addr, namespace)
+
+    async def fetch_workload_by_uid(self, uid: str) -> Workload | None:
+        """Rust ``fetch_workload_by_uid``: the uid, on demand when unknown."""
+        found = self._workloads.get(uid)
+        if found is not None or self.demander is None:
+            return found
+        await self.demander(uid)
+        return self._workloads.get(uid)
 
     def find_hostname(self, namespace: str, hostname: str) -> Workload | Service | None:
         """Service ``namespace/hostname``, else a workload with that hostname in the namespace."""
