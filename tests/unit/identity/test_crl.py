@@ -142,3 +142,19 @@ def test_file_formats(ca: LocalCA, tmp_path: Path) -> None:
     (tmp_path / "bad").write_bytes(b"not a crl")
     with pytest.raises(CrlError):
         CrlManager(tmp_path / "bad")
+
+
+def test_tls12_enabled_adds_tls12(ca: LocalCA) -> None:
+    # Rust tls/lib.rs tls_versions(): TLS12_ENABLED=true offers TLS 1.2 (ECDHE AES-GCM suites)
+    # besides 1.3; otherwise 1.3 only.
+    for enabled in (False, True):
+        server = with_policy(ca.issue(SERVER), TlsPolicy(tls12=enabled))
+        client = with_policy(ca.issue(CLIENT), TlsPolicy(tls12=True))
+        cctx = client_context(client)
+        cctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        res = handshake(server_context(server), cctx)
+        if enabled:
+            assert res.ok and res.version == "TLSv1.2", res
+            assert res.cipher is not None and res.cipher.startswith("ECDHE-")
+        else:
+            assert not res.ok
