@@ -633,3 +633,23 @@ async def test_hostname_endpoint_is_resolved_preferring_the_original_family() ->
 
     with pytest.raises(NoResolvedAddresses):
         await decide_outbound_resolving(feed.state, src, dst, resolve=nothing)
+
+
+def test_dual_stack_waypoint_follows_the_callers_family() -> None:
+    # Rust fetch_waypoint: a waypoint named by hostname is dialled with the original
+    # destination as target (pick_workload_destination_or_resolve keeps the caller's family).
+    feed = Feed()
+    target = service("web", "a", b("10.96.0.71"), b("fd96::71"))
+    target.service.waypoint.hostname.namespace = "a"
+    target.service.waypoint.hostname.hostname = "wp.a.svc.cluster.local"
+    target.service.waypoint.hbone_mtls_port = 15008
+    feed.addresses(
+        target,
+        service("wp", "a", b("10.96.0.72"), ports={15008: 15008}),
+        pod("wp", "a", b("10.0.8.1"), b("fd00::8:1"), services={key("wp", "a"): {}}),
+    )
+    src = client_in(feed, "a")
+    r4 = decide_outbound(feed.state, src, SocketAddr(IP4("10.96.0.71"), 80))
+    r6 = decide_outbound(feed.state, src, SocketAddr(IP6("fd96::71"), 80))
+    assert r4.via_waypoint and r4.target == SocketAddr(IP4("10.0.8.1"), 15008)
+    assert r6.via_waypoint and r6.target == SocketAddr(IP6("fd00::8:1"), 15008)

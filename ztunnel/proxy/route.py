@@ -17,6 +17,7 @@ from ztunnel.core.errors import NoHealthyUpstream, ProxyError, SelfCallError, Un
 from ztunnel.core.identity import Identity
 from ztunnel.state.model import (
     GatewayAddress,
+    IPFamilies,
     LoadBalancerMode,
     NetworkAddress,
     Service,
@@ -206,9 +207,15 @@ def _to_waypoint(
     workload: Workload | None = None,
 ) -> Route:
     wp, wp_svc = _resolve_gateway(state, gw, source, rng)
+    # Rust fetch_waypoint -> finalize_upstream: the target is the referenced IP (waypoint by
+    # address) or the original destination (by hostname, to follow the caller's family),
+    # filtered by the waypoint service's ip_families.
+    target_ip = gw.address.address if gw.address is not None else dst.ip
+    families = wp_svc.ip_families if wp_svc is not None else IPFamilies.AUTOMATIC
+    wp_ip = pick_workload_ip(wp, target_ip, families) or _pick_ip(wp)
     return Route(
         RouteKind.HBONE,
-        SocketAddr(_pick_ip(wp), gw.hbone_mtls_port),
+        SocketAddr(wp_ip, gw.hbone_mtls_port),
         authority=dst,
         expected_identities=(wp.identity, *_service_sans(wp_svc)),
         destination_workload=workload,
