@@ -168,7 +168,7 @@ def _service_sans(svc: Service | None) -> tuple[Identity, ...]:
 def _resolve_gateway(
     state: State, gw: GatewayAddress, source: Workload | None, rng: random.Random | None
 ) -> tuple[Workload, Service | None]:
-    found = state.find_gateway(gw)
+    found = state.find_gateway(gw, source.namespace if source is not None else None)
     if isinstance(found, Workload):
         return found, None
     if isinstance(found, Service):
@@ -188,7 +188,7 @@ def _is_waypoint_of(source: Workload | None, gw: GatewayAddress, state: State) -
     """Traffic from the waypoint itself must not be sent back to the waypoint."""
     if source is None:
         return False
-    found = state.find_gateway(gw)
+    found = state.find_gateway(gw, source.namespace if source is not None else None)
     if isinstance(found, Workload):
         return found.uid == source.uid
     if isinstance(found, Service):

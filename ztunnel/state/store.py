@@ -535,10 +535,13 @@ class State:
             return s
         return self.find_workload_by_hostname(hostname, namespace)
 
-    def find_gateway(self, gw: GatewayAddress) -> Workload | Service | None:
-        """Resolve a waypoint/network-gateway reference to what it names."""
+    def find_gateway(
+        self, gw: GatewayAddress, namespace: str | None = None
+    ) -> Workload | Service | None:
+        """Resolve a waypoint/network-gateway reference to what it names; ``namespace`` is the
+        client's (a VIP shared by several services, visibility: Rust find_upstream)."""
         if gw.address is not None:
-            return self.find_address(gw.address)
+            return self.find_address(gw.address, namespace)
         if gw.hostname is not None:
             return self.find_hostname(gw.hostname.namespace, gw.hostname.hostname)
         return None
