@@ -89,6 +89,10 @@ class _Lib:
         c.X509_STORE_CTX_get_error_depth.restype = ctypes.c_int
         c.X509_STORE_CTX_set_error.argtypes = [ctypes.c_void_p, ctypes.c_int]
         c.X509_STORE_CTX_set_error.restype = None
+        c.X509_STORE_CTX_get0_chain.argtypes = [ctypes.c_void_p]
+        c.X509_STORE_CTX_get0_chain.restype = ctypes.c_void_p
+        c.OPENSSL_sk_num.argtypes = [ctypes.c_void_p]
+        c.OPENSSL_sk_num.restype = ctypes.c_int
         c.i2d_X509.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
         c.i2d_X509.restype = ctypes.c_int
 
@@ -176,7 +180,11 @@ class _Verifier:
             cert = x509.load_der_x509_certificate(
                 lib.cert_der(lib.crypto.X509_STORE_CTX_get_current_cert(store))
             )
-            issuer = self.previous.get(store)
+            # The top of the chain (the trust anchor) has no issuer here, whatever a previous
+            # handshake that reused this store left behind.
+            chain = lib.crypto.X509_STORE_CTX_get0_chain(store)
+            top = chain is not None and depth >= lib.crypto.OPENSSL_sk_num(chain) - 1
+            issuer = None if top else self.previous.get(store)
             if depth == 0:
                 self.previous.pop(store, None)
             else:
