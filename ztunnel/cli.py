@@ -150,6 +150,7 @@ async def _run_proxy(config: Config) -> int:
             interrupts += 1
             if interrupts > 1:
                 log.warning("second interrupt: exiting now")
+                logging.shutdown()  # the buffered log lines first (logs.BatchingHandler)
                 os._exit(EXIT_FORCED)
         log.info("received %s, starting graceful drain", sig.name)
         app.request_stop()

@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
 from ztunnel.config import Config
-from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.logs import log_fields
@@ -63,7 +63,7 @@ class ConnectionRecord:
     direction: str  # "outbound" | "inbound"
     src: SocketAddr
     dst: SocketAddr  # the address actually dialled
-    hbone_addr: SocketAddr | None = None
+    hbone_addr: SocketAddr | HostnameAuthority | None = None
     src_workload: Workload | None = None
     dst_workload: Workload | None = None
     dst_service: Service | None = None
@@ -112,8 +112,11 @@ class ConnectionRecord:
         if self.src_identity is not None:
             out["src.identity"] = str(self.src_identity)
         out["dst.addr"] = _addr_text(self.dst)
-        if self.hbone_addr is not None:
-            out["dst.hbone_addr"] = _addr_text(self.hbone_addr)
+        hbone_addr = self.hbone_addr
+        if hbone_addr is not None:
+            out["dst.hbone_addr"] = (
+                _addr_text(hbone_addr) if isinstance(hbone_addr, SocketAddr) else str(hbone_addr)
+            )
         if self.dst_service is not None:
             out["dst.service"] = self.dst_service.hostname
         if self.dst_workload is not None:
@@ -338,7 +341,9 @@ def guess_inbound_service(
     return None
 
 
-def log_failed(direction: str, src: SocketAddr, dst: SocketAddr, error: BaseException) -> None:
+def log_failed(
+    direction: str, src: SocketAddr, dst: SocketAddr, error: BaseException | str
+) -> None:
     """An early denial, before any upstream was chosen."""
     access_log.warning(
         "connection failed",

@@ -78,7 +78,7 @@ class Outbound:
             log_failed("outbound", src, dst, e)
             return
         del dst  # the record keeps what it needs: this frame lives as long as the connection
-        hbone = route.kind is RouteKind.HBONE
+        hbone = route.kind is RouteKind.HBONE or route.kind is RouteKind.DOUBLE_HBONE
         rec = ConnectionRecord(
             "outbound",
             src,
