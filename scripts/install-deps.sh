@@ -5,8 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # iptables/iproute2 (ip, ss): the netns test bed; nodejs: the HBONE interop tests (Node's http2);
-# haproxy, iperf3, stunnel4: the benchmarks' peers and load.
-APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl)
+# haproxy, iperf3, stunnel4: the benchmarks' peers and load; golang-go: the Go stand-in for
+# istioctl's config_dump decoder (tests/golden/istioctl) and `go tool pprof` for the profiles.
+# tmux: a real terminal for `ztunnel top`.
+APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl golang-go tmux)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -64,6 +64,10 @@ class ConnectionRecord:
     src: SocketAddr
     dst: SocketAddr  # the address actually dialled
     hbone_addr: SocketAddr | HostnameAuthority | None = None
+    # Outbound: the captured (original) destination when it differs from ``dst`` (a service VIP,
+    # a pod's port before HBONE's 15008), for /config_dump's ``originalDst``.
+    orig_dst: SocketAddr | None = None
+    double_hbone: bool = False  # outbound through a network gateway (Rust OutboundProtocol)
     src_workload: Workload | None = None
     dst_workload: Workload | None = None
     dst_service: Service | None = None
@@ -82,6 +86,9 @@ class ConnectionRecord:
     mtls: bool = False  # set by ProxyContext.open_metrics
     # Inbound, source workload unknown: (canonical service, namespace) from the peer's baggage.
     src_derived: tuple[str, str] | None = None
+    # Inbound: the host the client named in ``Forwarded: host=`` (Rust's ``for_host``), for
+    # /config_dump's ``originalDst``.
+    for_host: str | None = None
     _done: bool = False
 
     def live_bytes(self) -> tuple[int, int]:
@@ -255,6 +262,7 @@ class ProxyContext:
         (inbound: the destination service guessed as Rust does, the baggage fallbacks), log
         "connection opened" and count it."""
         rec.mtls = mtls
+        rec.for_host = for_host
         if rec.direction == "inbound" and rec.dst_service is None and rec.dst_workload is not None:
             rec.dst_service = guess_inbound_service(
                 self.state, rec.dst_workload, rec.dst.port, for_host
