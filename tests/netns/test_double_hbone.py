@@ -35,6 +35,7 @@ from ztunnel.testing.hbone import (
 from ztunnel.testing.netns import NsProcess, Pod
 
 from .test_hbone_interop import INTEROP
+from .test_observability import parse_samples, scrape
 
 pytestmark = [
     pytest.mark.netns,
@@ -54,6 +55,11 @@ MESSAGE = b"waypoint\n"  # what the destination's HBONE server answers first (Ru
 SA_A = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-a"
 SA_ECHO = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/echo"
 SA_GW = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/actual-ew-gtw"
+# What the destination's 200 says of it (as a ztunnel's response baggage does)
+ECHO_BAGGAGE = (
+    "k8s.cluster.name=remote-cluster,k8s.namespace.name=echo-ns,k8s.deployment.name=echo,"
+    "service.name=echo-app,service.version=v7"
+)
 
 
 def config(pods: dict[str, Pod]) -> str:
@@ -128,7 +134,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         start_b=False,
         config=config,
     ) as m:
-        echo = _node_server(m, "echo", "echo", certs, node, reply=MESSAGE.decode())
+        echo = _node_server(
+            m, "echo", "echo", certs, node, reply=MESSAGE.decode(), responseBaggage=ECHO_BAGGAGE
+        )
         forward = {"host": m.pods["echo"].ip4, "port": 15008}
         gateway = _node_server(m, "gw", "actual-ew-gtw", certs, node, forward=forward)
         # Warm up: ztunnel-a fetches pod a's certificate (and starts its renewal timer) now.
@@ -178,6 +186,9 @@ def test_double_hbone(bed: Bed) -> None:
     )
     want: dict[str, object] = {
         "src.identity": SA_A,
+        # Rust with_derived_destination: the destination from the inner response's baggage
+        "dst.workload": "echo",
+        "dst.namespace": "echo-ns",
         "dst.addr": f"{bed.m.pods['gw'].ip4}:15008",
         "dst.hbone_addr": AUTHORITY,
         "dst.service": REMOTE_HOSTNAME,
@@ -188,6 +199,23 @@ def test_double_hbone(bed: Bed) -> None:
     }
     assert {k: rec.get(k) for k in want} == want, rec
     assert "error" not in rec
+    # ... and the metrics' destination labels (Rust CommonTrafficLabels::with_derived_destination)
+    opened = {
+        dict(labels)["destination_workload"]: dict(labels)
+        for (name, labels), v in parse_samples(scrape(bed.m.a).text).items()
+        if name == "istio_tcp_connections_opened_total" and v > 0
+    }
+    dst = opened["echo"]
+    assert (dst["destination_workload_namespace"], dst["destination_canonical_service"]) == (
+        "echo-ns",
+        "echo-app",
+    )
+    assert (dst["destination_canonical_revision"], dst["destination_cluster"]) == (
+        "v7",
+        "remote-cluster",
+    )
+    assert dst["destination_principal"] == SA_ECHO
+    assert dst["destination_service"] == REMOTE_HOSTNAME
 
 
 def test_double_hbone_gateway_by_service_hostname(bed: Bed) -> None:
@@ -229,4 +257,12 @@ def test_double_hbone_inner_identity_is_checked(bed: Bed, tmp_path: Path) -> Non
         assert SA_ECHO in rec["error"], rec
     finally:
         impostor.stop()
-        bed.echo = _node_server(bed.m, "echo", "echo", tmp_path, node, reply=MESSAGE.decode())
+        bed.echo = _node_server(
+            bed.m,
+            "echo",
+            "echo",
+            tmp_path,
+            node,
+            reply=MESSAGE.decode(),
+            responseBaggage=ECHO_BAGGAGE,
+        )

@@ -20,7 +20,7 @@ from ztunnel.core.errors import (
 )
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import X_FORWARDED_NETWORK, request_headers
+from ztunnel.hbone.headers import BAGGAGE, X_FORWARDED_NETWORK, parse_baggage, request_headers
 from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
@@ -145,10 +145,11 @@ class HboneConnector:
             return None
         headers = self._headers(route, rec)
         try:
-            sid = await self._connect(conn, route, headers, rec, reserved=True)
-            if sid is None:
+            resp = await self._connect(conn, route, headers, rec, reserved=True)
+            if resp is None:
                 self.pool.stream_done(conn)
                 return None
+            sid = resp.stream_id
         except BaseException:
             self.pool.stream_done(conn)
             raise
@@ -175,8 +176,8 @@ class HboneConnector:
         rec: ConnectionRecord,
         *,
         reserved: bool = False,
-    ) -> int | None:
-        """Send the CONNECT on ``conn``: the stream id once the peer answered 200, else None
+    ) -> h2.ResponseReceived | None:
+        """Send the CONNECT on ``conn``: the response once the peer answered 200, else None
         (logged as the connection's outcome, the stream reset or abandoned)."""
         try:
             sid, resp = await conn.open_stream(str(route.authority), headers, reserved=reserved)
@@ -190,7 +191,7 @@ class HboneConnector:
                 conn.h2.reset_stream(sid, h2.ErrorCode.CANCEL)
                 conn.flush()
             return None
-        return sid
+        return resp
 
     async def _open_inner(
         self,
@@ -238,8 +239,8 @@ class HboneConnector:
             )
             inner = HboneConnection(near, sslobj, inbio, outbio, h2c)
             inner_headers = [*headers, (X_FORWARDED_NETWORK, self.config.network)]
-            sid = await self._connect(inner, route, inner_headers, rec)
-            if sid is None:
+            resp = await self._connect(inner, route, inner_headers, rec)
+            if resp is None:
                 inner.close()  # the carrier then sees EOF and ends the outer stream
                 return None
         except (ProxyError, CertificateError) as e:
@@ -250,8 +251,17 @@ class HboneConnector:
             _drop(inner, near)
             raise
         rec.dst_identity = _peer(inner)
+        # Rust with_derived_destination: the destination workload is known from the inner
+        # response's baggage only (the gateway's view of it is all state has).
+        for k, v in resp.headers:
+            if k == BAGGAGE:
+                rec.dst_derived = parse_baggage(v)
+                break
+        if rec.open_deferred is not None:
+            rec.open_deferred()
+            rec.open_deferred = None
         self._carriers[inner] = carrier
-        return inner, sid
+        return inner, resp.stream_id
 
     async def _carry(self, outer: HboneConnection, sid: int, sock: socket.socket) -> None:
         """The outer stream of a double-HBONE connection, for as long as its inner one lives
