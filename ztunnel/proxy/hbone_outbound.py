@@ -109,8 +109,10 @@ class HboneConnector:
         self.config = config
         self.secrets = secrets
         self.settings = settings = HboneSettings.from_config(config)
-        # double HBONE: inner connection -> the task carrying its outer stream
+        # double HBONE: inner connection -> the task carrying its outer stream; every carrier
+        # task is held here until it ends (the loop keeps only weak references to tasks)
         self._carriers: dict[HboneConnection, asyncio.Task[None]] = {}
+        self._carrier_tasks: set[asyncio.Task[None]] = set()
         self.pool = pool or ConnectionPool(
             lambda key: dial_hbone(sockets, secrets, settings, key),
             max_streams=config.pool_max_streams_per_connection,
@@ -209,6 +211,8 @@ class HboneConnector:
         near.setblocking(False)
         far.setblocking(False)
         carrier = asyncio.get_running_loop().create_task(self._carry(outer, outer_sid, far))
+        self._carrier_tasks.add(carrier)
+        carrier.add_done_callback(self._carrier_tasks.discard)
         inner: HboneConnection | None = None
         try:
             assert rec.src_identity is not None
