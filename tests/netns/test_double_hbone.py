@@ -11,17 +11,13 @@ name ``remote.default.svc.cluster.local:8080``; the inner one carries ``x-forwar
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ztunnel.core.identity import Identity
 from ztunnel.testing.apps import connect_from, recv_all
 from ztunnel.testing.hbone import (
     TRUST_DOMAIN,
@@ -30,11 +26,10 @@ from ztunnel.testing.hbone import (
     mesh,
     no_leaks,
     workload_yaml,
-    write_cert_files,
 )
 from ztunnel.testing.netns import NsProcess, Pod
 
-from .test_hbone_interop import INTEROP
+from .nodehbone import event, start_server
 from .test_observability import parse_samples, scrape
 
 pytestmark = [
@@ -101,28 +96,8 @@ class Bed:
     echo: NsProcess
 
 
-def _node_server(m: Mesh, pod: str, sa: str, certs: Any, node: str, **extra: object) -> NsProcess:
-    files = write_cert_files(m.ca.issue(Identity(TRUST_DOMAIN, "default", sa)), certs, sa)
-    cfg = {
-        "port": 15008,
-        "cert": str(files.cert),
-        "key": str(files.key),
-        "ca": str(files.ca),
-        "trustDomain": TRUST_DOMAIN,
-        **extra,
-    }
-    proc = m.pods[pod].popen(
-        node, str(INTEROP / "hbone_server.js"), json.dumps(cfg), stderr=subprocess.STDOUT
-    )
-    proc.wait_for_line("READY", timeout=15)
-    return proc
-
-
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("the double HBONE test needs Node.js (node) on PATH")
     certs = tmp_path_factory.mktemp("double-hbone-certs")
     extra = [
         PodSpec("gw", "n2", service_account=None, ztunnel=None, inpod_rules=False),
@@ -134,11 +109,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         start_b=False,
         config=config,
     ) as m:
-        echo = _node_server(
-            m, "echo", "echo", certs, node, reply=MESSAGE.decode(), responseBaggage=ECHO_BAGGAGE
-        )
+        echo = start_echo(m, certs)
         forward = {"host": m.pods["echo"].ip4, "port": 15008}
-        gateway = _node_server(m, "gw", "actual-ew-gtw", certs, node, forward=forward)
+        gateway = start_server(m.pods["gw"], m.ca, "actual-ew-gtw", certs, forward=forward)
         # Warm up: ztunnel-a fetches pod a's certificate (and starts its renewal timer) now.
         with connect_from(m.a, REMOTE_VIP, 8080, timeout=10) as s:
             s.shutdown(1)
@@ -148,11 +121,16 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         echo.stop()
 
 
-def event(proc: NsProcess, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    while True:
-        ev: dict[str, Any] = json.loads(proc.wait_for_line("{", timeout=10))
-        if pred(ev):
-            return ev
+def start_echo(m: Mesh, certs: Path, service_account: str = "echo") -> NsProcess:
+    """The destination behind the gateway: answers MESSAGE, echoes, names itself in baggage."""
+    return start_server(
+        m.pods["echo"],
+        m.ca,
+        service_account,
+        certs,
+        reply=MESSAGE.decode(),
+        responseBaggage=ECHO_BAGGAGE,
+    )
 
 
 def test_double_hbone(bed: Bed) -> None:
@@ -241,10 +219,8 @@ def test_double_hbone_gateway_by_service_hostname(bed: Bed) -> None:
 def test_double_hbone_inner_identity_is_checked(bed: Bed, tmp_path: Path) -> None:
     """The inner tunnel must present the service's SAN: behind the same gateway, a destination
     with another identity is refused in the inner handshake, though the outer one succeeded."""
-    node = shutil.which("node")
-    assert node is not None
     bed.echo.stop()
-    impostor = _node_server(bed.m, "echo", "not-echo", tmp_path, node, reply=MESSAGE.decode())
+    impostor = start_echo(bed.m, tmp_path, "not-echo")
     since = len(bed.m.zta.records)
     try:
         with no_leaks(bed.m.zta), connect_from(bed.m.a, REMOTE_VIP, 8080, timeout=10) as s:
@@ -257,12 +233,4 @@ def test_double_hbone_inner_identity_is_checked(bed: Bed, tmp_path: Path) -> Non
         assert SA_ECHO in rec["error"], rec
     finally:
         impostor.stop()
-        bed.echo = _node_server(
-            bed.m,
-            "echo",
-            "echo",
-            tmp_path,
-            node,
-            reply=MESSAGE.decode(),
-            responseBaggage=ECHO_BAGGAGE,
-        )
+        bed.echo = start_echo(bed.m, tmp_path)
