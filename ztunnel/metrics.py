@@ -20,7 +20,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest as _text_latest
@@ -145,6 +145,7 @@ def traffic_labels(
     destination: Workload | None = None,
     destination_service: Service | None = None,
     destination_identity: Identity | None = None,
+    destination_baggage: BaggageLike | None = None,
     security_policy: SecurityPolicy = SecurityPolicy.UNKNOWN,
     response_flag: ResponseFlag = ResponseFlag.NONE,
 ) -> tuple[str, ...]:
@@ -160,6 +161,9 @@ def traffic_labels(
       we do mTLS; inbound: the verified peer). Never taken from the workload record.
     * ``destination_*`` from ``destination`` (the chosen upstream); ``destination_principal`` is
       ``destination_identity`` if given, else the destination workload's identity.
+    * ``destination_baggage`` (double HBONE: the inner tunnel's response) replaces them all but
+      the principal, which stays ``destination_identity`` (Rust ``with_derived_destination``:
+      ``destination_app`` is the workload name there).
     * Missing or empty values are ``unknown``. Locality labels are appended only when a source,
       baggage or destination is known.
     """
@@ -183,10 +187,25 @@ def traffic_labels(
         s_cluster = source.cluster_id
         s_region, s_zone = source.locality.region, source.locality.zone
 
-    if destination is not None:
+    d_region = destination.locality.region if destination is not None else ""
+    d_zone = destination.locality.zone if destination is not None else ""
+    if destination_baggage is not None:
+        b = destination_baggage
+        dst: tuple[str, ...] = (
+            _v(b.workload_name),
+            _v(b.service_name),
+            _v(b.service_version),
+            _v(b.namespace),
+            str(destination_identity) if destination_identity is not None else UNKNOWN,
+            _v(b.workload_name),
+            _v(b.service_version),
+            _v(b.cluster_id),
+        )
+        d_region, d_zone = b.region, b.zone
+    elif destination is not None:
         d = destination
         principal = destination_identity if destination_identity is not None else d.identity
-        dst: tuple[str, ...] = (
+        dst = (
             _v(d.workload_name),
             _v(d.canonical_name),
             _v(d.canonical_revision),
@@ -219,10 +238,8 @@ def traffic_labels(
         response_flag.value,
         security_policy.value,
     )
-    if source is None and baggage is None and destination is None:
+    if source is None and baggage is None and destination is None and destination_baggage is None:
         return labels
-    d_region = destination.locality.region if destination is not None else ""
-    d_zone = destination.locality.zone if destination is not None else ""
     return (*labels, _v(s_region), _v(s_zone), _v(d_region), _v(d_zone))
 
 
@@ -485,6 +502,19 @@ def wants_openmetrics(accept: str | None) -> bool:
 # --- the metric set ------------------------------------------------------------------------------
 
 
+ON_DEMAND_DNS_LABEL_NAMES = (
+    "source_workload",
+    "source_canonical_service",
+    "source_canonical_revision",
+    "source_workload_namespace",
+    "source_principal",
+    "source_app",
+    "source_version",
+    "source_cluster",
+    "hostname",
+)
+
+
 class InpodMetrics:
     """In-pod proxy counts. Names as istio/ztunnel HEAD registers them: on the root registry
     under ``workload_manager_`` (the README's ``istio_active_proxy_count_total`` etc. are older
@@ -718,6 +748,15 @@ class Metrics:
             registry=registry,
         )
         build.labels("ztunnel", tag).set(1)
+        # Rust proxy/metrics.rs on_demand_dns (OnDemandDnsLabels): ServiceEntry endpoints
+        # resolved by hostname when a connection picks them.
+        self.on_demand_dns = Family(
+            "istio_on_demand_dns",
+            "The total number of requests that used on-demand DNS (unstable)",
+            "counter",
+            ON_DEMAND_DNS_LABEL_NAMES,
+            registry=registry,
+        )
         self.inpod = InpodMetrics(registry) if inpod else None
         # Python-only (issue 13): connections, streams and peers refused or cut by a resource
         # limit or a protocol defence, by reason (a fixed small set; README "Security").
@@ -730,6 +769,24 @@ class Metrics:
         )
         if process:
             ProcessCollector(registry=registry)
+
+    def on_demand_dns_used(self, source: Any, hostname: str) -> None:
+        """Count one on-demand DNS resolution of ``hostname`` by a connection from
+        ``source`` (a Workload or None)."""
+        if source is None:
+            values = ("unknown",) * 8
+        else:
+            values = (
+                source.workload_name or "unknown",
+                source.canonical_name or "unknown",
+                source.canonical_revision or "unknown",
+                source.namespace or "unknown",
+                str(source.identity),
+                source.canonical_name or "unknown",
+                source.canonical_revision or "unknown",
+                source.cluster_id or "unknown",
+            )
+        self.on_demand_dns.labels(*values, hostname or "unknown").inc()
 
     # -- sockets ------------------------------------------------------------------------------
 
@@ -763,7 +820,7 @@ class Metrics:
 
         ``rec.src_identity`` becomes ``source_principal`` only when ``mtls`` (Rust: outbound
         reports its own identity only for HBONE; inbound the verified peer)."""
-        if baggage is None:
+        if baggage is None and rec.dst_derived is None:
             src_id = rec.src_identity if mtls else None
             refs = (rec.src_workload, src_id, rec.dst_workload, rec.dst_service, rec.dst_identity)
             key = (rec.direction, mtls, *map(id, refs))
@@ -790,6 +847,7 @@ class Metrics:
             destination=rec.dst_workload,
             destination_service=rec.dst_service,
             destination_identity=rec.dst_identity,
+            destination_baggage=rec.dst_derived,
             security_policy=SecurityPolicy.MUTUAL_TLS if mtls else SecurityPolicy.UNKNOWN,
         )
 
@@ -833,6 +891,8 @@ class RecordLike(Protocol):
     def src_identity(self) -> Identity | None: ...
     @property
     def dst_identity(self) -> Identity | None: ...
+    @property
+    def dst_derived(self) -> BaggageLike | None: ...
 
 
 class ConnectionMetrics:
