@@ -278,7 +278,8 @@ class Watch:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
         print(
             f"[bounds] {test}: honest worst {worst:.1f} ms (median {median:.2f}, {n} samples), "
-            f"RSS +{growth / (1 << 20):.1f} MiB, max fds {max(self.fds)}"
+            f"RSS +{growth / (1 << 20):.1f} MiB, max fds {max(self.fds)}; "
+            + " ".join(x for x in prober.lines if x.startswith("TOP"))
         )
         assert growth < MAX_RSS_GROWTH, f"RSS grew by {growth >> 20} MiB"
         assert max(self.fds) < MAX_FDS, max(self.fds)
@@ -303,7 +304,9 @@ class Bed:
             yield w
         settled(self.m.ztb, base, timeout=15)
 
-    def attack(self, run: Callable[[], None], *, new_streams: bool = True) -> None:
+    def attack(
+        self, run: Callable[[], None], *, new_streams: bool = True, max_latency_ms: float = 100.0
+    ) -> None:
         """Run ``run`` under :meth:`watch`: every bound but latency is asserted at once. The
         honest client's worst round trip must stay under 100 ms; this 2-core machine is
         shared, so a run over it (a descheduled process) is repeated once, and the second
@@ -311,7 +314,7 @@ class Bed:
         for attempt in (1, 2):
             with self.watch(new_streams=new_streams) as w:
                 run()
-            if w.worst < MAX_LATENCY * 1000:
+            if w.worst < max_latency_ms:
                 return
             print(f"attempt {attempt}: honest worst {w.worst} ms, median {w.median} ms")
         pytest.fail(f"honest client's worst round trip {w.worst} ms (median {w.median} ms)")
@@ -597,6 +600,27 @@ def test_9511_data_dribble(bed: Bed) -> None:
         bed.attack(attack)
     finally:
         source.stop()
+
+
+def test_tiny_data_frames_are_read_fairly(bed: Bed) -> None:
+    """Legal but costly: 1-byte DATA frames at line rate on a tunnel (each byte costs a frame).
+    Nothing bounds them but flow control (an outbound ztunnel multiplexes chatty apps onto one
+    connection, so a budget on small frames would cut real traffic); a frame-dense connection is
+    read 16 KiB at a time, one read per turn. Before, the honest client stalled for the whole
+    attack (about 2 s); now its round trips stay within a few hundred ms. This does NOT meet the
+    100 ms of the issue's attacks, hence its own bound here."""
+
+    def attack() -> None:
+        p = bed.peer(window=2**31 - 1)
+        sid = p.headers(f"{bed.m.b.ip4}:{ECHO}")
+        assert p.status(sid) == 200
+        one = frame(DATA, 0, sid, b"x")
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and p.send(one * 20_000):
+            p.poll()
+        p.close()
+
+    bed.attack(attack, max_latency_ms=500)
 
 
 def test_9517_unread_responses_stay_bounded(bed: Bed) -> None:

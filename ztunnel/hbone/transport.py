@@ -39,6 +39,11 @@ from ztunnel.net.copy import CopyCounters
 log = logging.getLogger("ztunnel.hbone")
 
 _RECV_SIZE = 256 * 1024
+# A peer whose frames are tiny (more than one HTTP/2 event per 64 bytes of plaintext: 1-byte
+# DATA frames, say) makes each byte cost as much as a frame; such a connection (and a new one,
+# until its input shows large frames) is read this much at a time, one read per callback, so it
+# cannot hold the loop for long (fairness, not a limit).
+_SMALL_RECV = 16 * 1024
 _PLAIN_SIZE = 512 * 1024
 _TCP_READ = 256 * 1024  # the most a stream reads from its TCP socket at once
 
@@ -506,6 +511,9 @@ class HboneConnection:
         self.goaway = False
         self._input_paused = False  # the peer stopped reading: so do we (see _read_and_dispatch)
         self._ctl_backlog = 0  # control bytes queued behind unsent output
+        # The peer's frames are tiny: read little at a time. Until its input shows otherwise, so
+        # that not even the first read of a connection can be 256 KiB of 1-byte frames.
+        self._small_reads = True
         self.protocol_error: h2.RemoteProtocolError | None = None  # why we sent a GOAWAY
         self.loop.add_reader(self.fd, self._on_readable)
         if keepalive:
@@ -619,6 +627,8 @@ class HboneConnection:
             for _ in range(_READ_BATCH):
                 if not self._read_and_dispatch():
                     return
+                if self._small_reads:
+                    break  # (frame-dense input: one small read per turn)
         except Exception as e:  # a bug: fail this connection, keep serving the others
             log.exception("HBONE connection failed on an internal error")
             self._fail(e)
@@ -636,8 +646,9 @@ class HboneConnection:
             return False
         sock = self.sock
         scratch = _scratch  # this thread's buffers
+        limit = _SMALL_RECV if self._small_reads else _RECV_SIZE
         try:
-            n = sock.recv_into(scratch.recv)
+            n = sock.recv_into(scratch.recv, limit)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:
@@ -692,7 +703,7 @@ class HboneConnection:
             # doing the same.
             self._pause_input()
             return False
-        if n < _RECV_SIZE:  # drained: see _READ_BATCH
+        if n < limit:  # drained: see _READ_BATCH
             if (err := _socket_error(sock)) is not None:
                 self._fail(err)
             return False
@@ -703,6 +714,13 @@ class HboneConnection:
             return
         try:
             events = self.h2.receive_data(data)
+            # Frame-dense input is read in small pieces (see _SMALL_RECV), until a real sample
+            # (4 KiB or more) averages 256 bytes or more per event.
+            ne, nd = len(events), len(data)
+            if ne > (nd >> 6) + 8:
+                self._small_reads = True
+            elif self._small_reads and nd >= 4096 and ne << 8 < nd:
+                self._small_reads = False
         except h2.RemoteProtocolError as e:
             # The GOAWAY goes out first, whatever the events do; the socket then closes
             # gracefully so that the peer gets it (not a RST that would discard it).

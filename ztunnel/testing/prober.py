@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sid = client.connect_stream(args.target)
     print("READY", flush=True)
     samples: list[float] = []
+    kinds: list[str] = []
     errors: list[str] = []
     i = 0
     while not os.path.exists(args.stop):
@@ -62,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             client.send(sid, msg)
             got = client.read(sid, len(msg))
             samples.append(time.monotonic() - t)
+            kinds.append("echo")
             if got != msg:
                 errors.append(f"echo mismatch {got!r}")
             i += 1
@@ -69,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 t = time.monotonic()
                 extra = client.connect_stream(args.target)
                 samples.append(time.monotonic() - t)
+                kinds.append("connect")
                 client.end(extra)
         except Exception as e:
             errors.append(repr(e))
@@ -76,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         time.sleep(args.interval)
     worst = max(samples) * 1000 if samples else -1.0
     median = statistics.median(samples) * 1000 if samples else -1.0
+    top = sorted(range(len(samples)), key=lambda k: -samples[k])[:5]
+    print("TOP " + " ".join(f"{samples[k] * 1000:.1f}@{k}/{kinds[k]}" for k in top), flush=True)
     print(f"DONE {len(samples)} {worst:.2f} {median:.2f} {len(errors)}", flush=True)
     for err in errors[:5]:
         print(f"ERROR {err}", flush=True)
