@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 
 # iptables/iproute2 (ip, ss): the netns test bed; nodejs: the HBONE interop tests (Node's http2);
 # haproxy, iperf3, stunnel4: the benchmarks' peers and load.
-APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl)
+# bind9-dnsutils (dig), dnsmasq-base (the binary only: no service, never touches the host's
+# resolver), dnsperf: the DNS proxy's tests and benchmark.
+APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl
+  bind9-dnsutils dnsmasq-base dnsperf)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

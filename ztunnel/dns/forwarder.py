@@ -1,0 +1,440 @@
+"""Forwarding what is not ours to the upstream resolvers of ztunnel's own resolv.conf.
+
+``istio/ztunnel:src/dns/server.rs`` ``SystemForwarder`` and ``src/dns/forwarder.rs``: the
+nameservers of ztunnel's ``/etc/resolv.conf`` with the search list removed (the client already
+applied its own), sockets from the proxy's marked socket factory (so istio-cni's rules never
+capture them again; in shared mode they live in the pod's netns), a response cache of 4096
+entries (``dns_resolver_opts.cache_size``). Differences from Rust, on purpose: the upstream
+answer is relayed as it came (flags, rcode, authority section with its SOA, EDE options) rather
+than rebuilt from hickory's ``Lookup``; only the ID, TTLs (aged in the cache) and EDNS (the
+client's) change.
+
+Bounds: one upstream query per distinct in-flight question (followers wait for it), a fixed
+number of questions in flight per forwarder, a deadline per forward after which the client gets
+SERVFAIL, a bounded cache. A reply is accepted only from the server asked, with our random ID and
+our question; anything else on the socket is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import dns.edns
+import dns.exception
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
+
+from ztunnel.core.addr import IPAddr, SocketAddr, parse_ip
+from ztunnel.dns import names, wire
+from ztunnel.dns.names import Name
+from ztunnel.dns.ratelimit import RateLimitedLog
+from ztunnel.proxy.sockets import SocketFactory
+
+log = logging.getLogger("ztunnel.dns")
+
+RESOLV_CONF = "/etc/resolv.conf"
+CACHE_SIZE = 4096  # config.rs: dns_resolver_opts.cache_size
+UPSTREAM_PAYLOAD = 1232
+FORWARD_DEADLINE = 5.0  # hickory's default per-query timeout; the client gets SERVFAIL after it
+MAX_INFLIGHT = 256  # distinct upstream questions in flight per forwarder
+MAX_TTL = 86400
+_RELOAD_EVERY = 1.0
+_EDE = 15
+
+
+# --- resolv.conf ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvConf:
+    nameservers: tuple[IPAddr, ...] = ()
+    search: tuple[Name, ...] = ()
+    timeout: float = 5.0
+    attempts: int = 2
+
+
+def parse_resolv_conf(text: str) -> ResolvConf:
+    """The parts of resolv.conf(5) a forwarder needs. Unparsable lines are skipped, as glibc
+    does; the last ``search``/``domain`` line wins."""
+    servers: list[IPAddr] = []
+    search: tuple[Name, ...] = ()
+    timeout, attempts = 5.0, 2
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].split(";", 1)[0].strip()
+        if not line:
+            continue
+        key, *vals = line.split()
+        if key == "nameserver" and vals:
+            with contextlib.suppress(ValueError):
+                ip = parse_ip(vals[0].split("%", 1)[0])
+                if ip not in servers:
+                    servers.append(ip)
+        elif key == "search":
+            search = tuple(n for v in vals if (n := names.from_text(v)))
+        elif key == "domain" and vals:
+            search = (names.from_text(vals[0]),)
+        elif key == "options":
+            for opt in vals:
+                name, _, value = opt.partition(":")
+                with contextlib.suppress(ValueError):
+                    if name == "timeout":
+                        timeout = float(max(1, min(int(value), 30)))
+                    elif name == "attempts":
+                        attempts = max(1, min(int(value), 5))
+    return ResolvConf(tuple(servers), search, timeout, attempts)
+
+
+class ResolvConfSource:
+    """resolv.conf, re-read when it changes (checked at most once a second)."""
+
+    def __init__(self, path: str = RESOLV_CONF) -> None:
+        self.path = path
+        self._stamp: tuple[int, int, int] | None = None
+        self._checked = -1e9
+        self.conf = ResolvConf()
+        self.reload()
+
+    def get(self) -> ResolvConf:
+        now = time.monotonic()
+        if now - self._checked >= _RELOAD_EVERY:
+            self.reload()
+        return self.conf
+
+    def reload(self) -> None:
+        self._checked = time.monotonic()
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if stamp == self._stamp:
+                return
+            with open(self.path) as f:
+                text = f.read(64 * 1024)
+        except OSError as e:
+            if self._stamp is not None or not self.conf.nameservers:
+                log.warning("cannot read %s: %s; forwarding has no upstream", self.path, e)
+            self._stamp = None
+            self.conf = ResolvConf()
+            return
+        self._stamp = stamp
+        self.conf = parse_resolv_conf(text)
+        log.info(
+            "dns: upstream resolvers from %s: %s",
+            self.path,
+            ", ".join(str(s) for s in self.conf.nameservers) or "none",
+        )
+
+
+# --- cache ---------------------------------------------------------------------------------------
+
+CacheKey = tuple[bytes, int, int, int, bool]  # lower-case question name, type, class, RD|CD, DO
+
+
+@dataclass(slots=True)
+class _Entry:
+    msg: dns.message.Message
+    stored: float
+    expires: float
+
+
+def response_ttl(msg: dns.message.Message) -> int | None:
+    """How long a response may be cached: the smallest TTL of its records, or for a negative
+    answer the SOA's (RFC 2308); None for what is never cached (errors, truncated, no TTL)."""
+    rcode = msg.rcode()
+    if msg.flags & dns.flags.TC or rcode not in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
+        return None
+    if msg.answer and rcode == dns.rcode.NOERROR:
+        ttls = [rr.ttl for sec in (msg.answer, msg.authority) for rr in sec]
+        return min(min(ttls), MAX_TTL)
+    for rr in msg.authority:
+        if rr.rdtype == dns.rdatatype.SOA and len(rr):
+            return int(min(rr.ttl, getattr(rr[0], "minimum", 0), MAX_TTL))
+    return None
+
+
+class ResponseCache:
+    """LRU of upstream responses by question, each valid for its TTL."""
+
+    def __init__(self, size: int = CACHE_SIZE) -> None:
+        self.size = size
+        self._d: OrderedDict[CacheKey, _Entry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, key: CacheKey, now: float) -> tuple[dns.message.Message, int] | None:
+        e = self._d.get(key)
+        if e is None:
+            return None
+        if now >= e.expires:
+            del self._d[key]
+            return None
+        self._d.move_to_end(key)
+        return e.msg, int(now - e.stored)
+
+    def put(self, key: CacheKey, msg: dns.message.Message, ttl: int, now: float) -> None:
+        if ttl <= 0 or self.size <= 0:
+            return
+        self._d[key] = _Entry(msg, now, now + ttl)
+        self._d.move_to_end(key)
+        while len(self._d) > self.size:
+            self._d.popitem(last=False)
+
+
+# --- relaying --------------------------------------------------------------------------------------
+
+
+def upstream_query(req: wire.Request, qid: int) -> bytes:
+    """Our query upstream: the client's question (as sent) with RD/CD copied, our ID, EDNS with
+    our payload and the client's DO bit, no other options."""
+    flags = req.flags & (wire.RD | wire.CD)
+    do = wire.DO_BIT if req.edns is not None and req.edns.do else 0
+    opt = b"\x00" + struct.pack("!HHIH", wire.TYPE_OPT, UPSTREAM_PAYLOAD, do, 0)
+    return wire.HEADER.pack(qid, flags, 1, 0, 0, 1) + req.question + opt
+
+
+def relay(req: wire.Request, msg: dns.message.Message, age: int, udp: bool) -> bytes:
+    """The upstream ``msg`` for this client: its ID, TTLs less ``age``, EDNS as the client
+    asked (an extended rcode the client cannot see becomes SERVFAIL)."""
+    r = dns.message.Message(id=req.id)
+    r.flags = msg.flags & ~dns.flags.TC
+    rcode = msg.rcode()
+    r.question = msg.question
+    for src, dst in ((msg.answer, r.answer), (msg.authority, r.authority)):
+        for rrset in src:
+            dst.append(_aged(rrset, age))
+    for rrset in msg.additional:
+        r.additional.append(_aged(rrset, age))
+    if req.edns is not None:
+        ede = [o for o in msg.options if o.otype == _EDE]
+        r.use_edns(
+            0,
+            dns.flags.DO if req.edns.do else 0,
+            UPSTREAM_PAYLOAD,
+            options=ede,
+        )
+    elif rcode > 15:
+        rcode = dns.rcode.SERVFAIL
+    r.set_rcode(rcode)
+    out = r.to_wire(max_size=wire.MAX_MESSAGE)
+    return wire.fit(req, out, udp)
+
+
+def _aged(rrset: dns.rrset.RRset, age: int) -> dns.rrset.RRset:
+    if age <= 0:
+        return rrset
+    copy: dns.rrset.RRset = rrset.copy()  # type: ignore[no-untyped-call]
+    copy.ttl = max(0, rrset.ttl - age)
+    return copy
+
+
+# --- the forwarder ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """What the client gets, and whether Rust would count an upstream failure (a hickory
+    ``lookup`` error: no answer, an error rcode, or NOERROR without records)."""
+
+    reply: bytes
+    failed: bool
+    cached: bool = False
+
+
+@dataclass(slots=True)
+class _Flight:
+    future: asyncio.Future[dns.message.Message | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class Forwarder:
+    """One pod's forwarder: its socket factory (its netns, ztunnel's mark) and its cache."""
+
+    def __init__(
+        self,
+        sockets: SocketFactory,
+        source: ResolvConfSource,
+        *,
+        cache_size: int = CACHE_SIZE,
+        deadline: float = FORWARD_DEADLINE,
+        max_inflight: int = MAX_INFLIGHT,
+        name: str = "",
+    ) -> None:
+        self.sockets = sockets
+        self.source = source
+        self.cache = ResponseCache(cache_size)
+        self.deadline = deadline
+        self.max_inflight = max_inflight
+        self.name = name
+        self._flights: dict[CacheKey, _Flight] = {}
+        self._log = RateLimitedLog(log)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._flights)
+
+    def search_domains(self) -> list[Name]:
+        return list(self.source.get().search)
+
+    async def forward(self, req: wire.Request, udp: bool) -> Forwarded:
+        key: CacheKey = (
+            req.question[: len(req.question) - 4].lower(),
+            req.qtype,
+            req.qclass,
+            req.flags & (wire.RD | wire.CD),
+            bool(req.edns is not None and req.edns.do),
+        )
+        now = time.monotonic()
+        hit = self.cache.get(key, now)
+        if hit is not None:
+            cached, age = hit
+            return Forwarded(relay(req, cached, age, udp), _failed(cached), cached=True)
+        flight = self._flights.get(key)
+        msg: dns.message.Message | None
+        if flight is None:
+            if len(self._flights) >= self.max_inflight:
+                self._log.warning("busy", "dns %s: too many upstream queries in flight", self.name)
+                return Forwarded(wire.error(req, wire.SERVFAIL), True)
+            flight = self._flights[key] = _Flight()
+            try:
+                msg = await self._resolve(req)
+            except asyncio.CancelledError:
+                flight.future.cancel()
+                raise
+            finally:
+                del self._flights[key]
+            flight.future.set_result(msg)
+            if msg is not None:
+                ttl = response_ttl(msg)
+                if ttl is not None:
+                    self.cache.put(key, msg, ttl, time.monotonic())
+        else:
+            msg = await asyncio.shield(flight.future)
+        if msg is None:
+            return Forwarded(wire.error(req, wire.SERVFAIL), True)
+        return Forwarded(relay(req, msg, 0, udp), _failed(msg))
+
+    async def _resolve(self, req: wire.Request) -> dns.message.Message | None:
+        conf = self.source.get()
+        if not conf.nameservers:
+            self._log.warning("noupstream", "dns %s: no upstream nameserver configured", self.name)
+            return None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.deadline
+        tries = [s for _ in range(conf.attempts) for s in conf.nameservers]
+        per_try = max(0.5, min(conf.timeout, self.deadline / len(tries)))
+        for server in tries:
+            left = end - loop.time()
+            if left <= 0.01:
+                break
+            qid = secrets.randbelow(65536)
+            query = upstream_query(req, qid)
+            target = SocketAddr(server, 53)
+            try:
+                msg = await self._udp(target, query, qid, req, min(per_try, left))
+                if msg is not None and msg.flags & dns.flags.TC:
+                    left = end - loop.time()
+                    if left <= 0.01:
+                        break
+                    msg = await self._tcp(target, query, qid, req, left)
+            except OSError as e:
+                self._log.info(
+                    f"up:{server}", "dns %s: upstream %s failed: %s", self.name, target, e
+                )
+                continue
+            if msg is not None:
+                return msg
+        self._log.info("timeout", "dns %s: no upstream answered in time", self.name)
+        return None
+
+    async def _udp(
+        self, target: SocketAddr, query: bytes, qid: int, req: wire.Request, timeout: float
+    ) -> dns.message.Message | None:
+        loop = asyncio.get_running_loop()
+        sock = self.sockets.datagram(target.family)
+        try:
+            sock.connect(target.sockaddr())
+            sock.send(query)
+            deadline = loop.time() + timeout
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return None
+                try:
+                    data = await asyncio.wait_for(loop.sock_recv(sock, 65535), left)
+                except TimeoutError:
+                    return None
+                msg = _accept(data, qid, req)
+                if msg is not None:
+                    return msg
+        finally:
+            sock.close()
+
+    async def _tcp(
+        self, target: SocketAddr, query: bytes, qid: int, req: wire.Request, timeout: float
+    ) -> dns.message.Message | None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                sock = await self.sockets.connect(target, timeout=timeout)
+                try:
+                    await loop.sock_sendall(sock, struct.pack("!H", len(query)) + query)
+                    head = await _recv_exactly(loop, sock, 2)
+                    (n,) = struct.unpack("!H", head)
+                    data = await _recv_exactly(loop, sock, n)
+                finally:
+                    sock.close()
+        except TimeoutError:
+            return None
+        except Exception as e:  # UpstreamConnectError and friends
+            raise OSError(errno.ECONNREFUSED, str(e)) from None
+        return _accept(data, qid, req)
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise OSError(errno.ECONNRESET, "upstream closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _accept(data: bytes, qid: int, req: wire.Request) -> dns.message.Message | None:
+    """The upstream reply if it answers our query (ID, QR, our question), else None."""
+    if len(data) < 12 or struct.unpack_from("!H", data)[0] != qid:
+        return None
+    try:
+        msg = dns.message.from_wire(data, ignore_trailing=True)
+    except dns.exception.DNSException:
+        return None
+    except Exception:
+        return None
+    if not msg.flags & dns.flags.QR or len(msg.question) != 1:
+        # A reply may omit the question only when it carries an error (e.g. FORMERR); we ask
+        # nothing that should get one, so treat it as no answer.
+        return None
+    q = msg.question[0]
+    want = dns.name.from_wire(req.question, 0)[0]
+    if q.name != want or q.rdtype != req.qtype or q.rdclass != req.qclass:
+        return None
+    return msg
+
+
+def _failed(msg: dns.message.Message) -> bool:
+    return msg.rcode() != dns.rcode.NOERROR or not msg.answer
