@@ -375,7 +375,8 @@ class Forwarder:
                 if left <= 0:
                     return None
                 try:
-                    data = await asyncio.wait_for(loop.sock_recv(sock, 65535), left)
+                    async with asyncio.timeout(left):  # (no extra task, unlike wait_for)
+                        data = await loop.sock_recv(sock, 65535)
                 except TimeoutError:
                     return None
                 msg = _accept(data, qid, req)

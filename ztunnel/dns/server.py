@@ -242,13 +242,15 @@ class DnsServer:
             while True:
                 self._idle.add(task)
                 try:
-                    head = await asyncio.wait_for(_recv_exactly(loop, conn, 2), TCP_REQUEST_TIMEOUT)
+                    async with asyncio.timeout(TCP_REQUEST_TIMEOUT):
+                        head = await _recv_exactly(loop, conn, 2)
                 finally:
                     self._idle.discard(task)
                 if head is None:
                     return
                 (n,) = struct.unpack("!H", head)
-                body = await asyncio.wait_for(_recv_exactly(loop, conn, n), TCP_REQUEST_TIMEOUT)
+                async with asyncio.timeout(TCP_REQUEST_TIMEOUT):
+                    body = await _recv_exactly(loop, conn, n)
                 if body is None:
                     self._log.debug("tcp-short", "dns %s: TCP message cut short", self.name)
                     return
@@ -257,10 +259,8 @@ class DnsServer:
                     reply = await self.answer_later(reply, False)
                 if reply is None:
                     continue
-                await asyncio.wait_for(
-                    loop.sock_sendall(conn, struct.pack("!H", len(reply)) + reply),
-                    TCP_REQUEST_TIMEOUT,
-                )
+                async with asyncio.timeout(TCP_REQUEST_TIMEOUT):
+                    await loop.sock_sendall(conn, struct.pack("!H", len(reply)) + reply)
         except (TimeoutError, OSError, asyncio.CancelledError):
             return
 
