@@ -273,6 +273,7 @@ class Forwarder:
         deadline: float = FORWARD_DEADLINE,
         max_inflight: int = MAX_INFLIGHT,
         name: str = "",
+        port: int = 53,
     ) -> None:
         self.sockets = sockets
         self.source = source
@@ -280,6 +281,7 @@ class Forwarder:
         self.deadline = deadline
         self.max_inflight = max_inflight
         self.name = name
+        self.port = port  # resolv.conf has no ports; other than 53 only in tests
         self._flights: dict[CacheKey, _Flight] = {}
         self._log = RateLimitedLog(log)
 
@@ -343,7 +345,7 @@ class Forwarder:
                 break
             qid = secrets.randbelow(65536)
             query = upstream_query(req, qid)
-            target = SocketAddr(server, 53)
+            target = SocketAddr(server, self.port)
             try:
                 msg = await self._udp(target, query, qid, req, min(per_try, left))
                 if msg is not None and msg.flags & dns.flags.TC:
