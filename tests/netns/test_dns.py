@@ -552,3 +552,60 @@ def test_flood_stays_bounded_and_others_are_served(bed: Bed) -> None:
         time.sleep(0.2)
     time.sleep(1.2)
     assert ips_of(bed.dig(bed.c1, f"@{KUBE_DNS4}", "web.example.test")) == ["10.9.9.9"]
+
+
+# --- dedicated mode ---------------------------------------------------------------------------------
+
+
+def test_dedicated_mode_in_its_own_netns(bed: Bed) -> None:
+    # PROXY_MODE=dedicated: ztunnel in the pod's own netns; its resolv.conf is the pod's, so the
+    # search list is resolv.conf's (SearchDomains::Static) and the upstream is what it names.
+    c5 = bed.tb.nodes[0].add_pod("c5")
+    c5.install_inpod_rules(dns_capture=True)
+    c5.set_resolv_conf(
+        f"search ns1.svc.cluster.local svc.cluster.local cluster.local\n"
+        f"nameserver {bed.upstream.ip4}\noptions ndots:5 timeout:8 attempts:1\n"
+    )
+    local = f"""workloads:
+- uid: Kubernetes//v1/Pod/ns1/c5
+  name: c5
+  namespace: ns1
+  serviceAccount: default
+  workloadIps: ["{c5.ip4}"]
+  protocol: TCP
+services:
+- name: productpage
+  namespace: ns1
+  hostname: productpage.ns1.svc.cluster.local
+  vips: ["/10.96.1.5"]
+  ports:
+    80: 8080
+- name: api
+  namespace: ns1
+  hostname: api.external.test
+  vips: ["/240.240.0.5"]
+  ports:
+    80: 8080
+"""
+    zt = ZtunnelProcess(
+        c5,
+        {
+            "PROXY_MODE": "dedicated",
+            "PROXY_WORKLOAD_INFO": "ns1/c5/default",
+            "LOCAL_XDS": local,
+            "CONNECTION_TERMINATION_DEADLINE": "1s",
+        },
+    ).start()
+    try:
+        # the app's queries to the nameserver in its resolv.conf are captured to 15053
+        assert ips_of(bed.dig(c5, f"@{bed.upstream.ip4}", "productpage")) == ["10.96.1.5"]
+        assert ips_of(bed.dig(c5, "+tcp", f"@{bed.upstream.ip4}", "productpage")) == ["10.96.1.5"]
+        r = bed.dig(c5, f"@{bed.upstream.ip4}", "api.external.test.svc.cluster.local")
+        assert [a[3] for a in r["answers"]] == ["CNAME", "A"], r["raw"]  # type: ignore[union-attr]
+        # forwarded from ztunnel's own (marked, so not captured again) socket to that server
+        assert ips_of(bed.dig(c5, f"@{bed.upstream.ip4}", "web.example.test")) == ["10.9.9.9"]
+        got = c5.run("getent", "ahostsv4", "productpage", check=False).stdout
+        assert got.split()[:1] == ["10.96.1.5"]
+    finally:
+        assert zt.stop() == 0
+        assert zt.internal_errors() == []
