@@ -9,6 +9,7 @@ A name is a tuple of lower-case labels without the root (``("svc", "ns", "svc", 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 Name = tuple[str, ...]
@@ -100,28 +101,26 @@ def search_domains(client_namespace: str, cluster_domain: Name) -> list[Name]:
 
 def get_aliases(
     name: Name, client_namespace: str, cluster_domain: Name, search: list[Name]
-) -> list[Alias]:
+) -> Iterator[Alias]:
     """Every alias of ``name`` from the client's point of view, first seen first, no duplicate
-    names (``server.rs`` ``Store::get_aliases``)."""
-    out: list[Alias] = []
-    seen: set[Name] = set()
-
-    def add(alias: Alias) -> None:
-        if alias.name not in seen:
-            seen.add(alias.name)
-            out.append(alias)
-
-    add(Alias(name))
+    names (``server.rs`` ``Store::get_aliases``); lazily, since the first hit ends the search."""
+    yield Alias(name)
+    seen: set[Name] = {name}
     for fqdn in to_kube_fqdns(name, client_namespace, cluster_domain):
-        add(Alias(fqdn))
+        if fqdn not in seen:
+            seen.add(fqdn)
+            yield Alias(fqdn)
     for domain in search:
         stripped = trim_domain(name, domain)
         if stripped is None:
             continue
-        add(Alias(stripped, stripped))
+        if stripped not in seen:
+            seen.add(stripped)
+            yield Alias(stripped, stripped)
         for fqdn in to_kube_fqdns(stripped, client_namespace, cluster_domain):
-            add(Alias(fqdn, stripped))
-    return out
+            if fqdn not in seen:
+                seen.add(fqdn)
+                yield Alias(fqdn, stripped)
 
 
 def get_wildcards(name: Name) -> list[Name]:

@@ -20,6 +20,7 @@ from ztunnel.state.store import State
 TYPE_A = 1
 TYPE_AAAA = 28
 TTL = 30  # server.rs DEFAULT_TTL_SECONDS
+MEMO_SIZE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,10 @@ class Resolver:
         # (None): the per-pod Kubernetes list (SearchDomains::Dynamic).
         self._search = search
         self._rng = rng or random.Random()
+        # find_server by (client namespace, name), valid for one state generation: the hot
+        # case (the same few names asked again and again) skips alias and wildcard expansion.
+        self._memo: dict[tuple[str, Name], Match | None] = {}
+        self._memo_gen = -1
 
     def search_domains(self, client: Workload) -> list[Name]:
         if self._search is not None:
@@ -93,6 +98,19 @@ class Resolver:
         return Answer(cname=cname, addresses=tuple(addrs), service=m.service)
 
     def find_server(self, client: Workload, qname: Name) -> Match | None:
+        gen = self.state.generation
+        if gen != self._memo_gen or len(self._memo) >= MEMO_SIZE:
+            self._memo.clear()
+            self._memo_gen = gen
+        key = (client.namespace, qname)
+        try:
+            return self._memo[key]
+        except KeyError:
+            pass
+        m = self._memo[key] = self._find_server(client, qname)
+        return m
+
+    def _find_server(self, client: Workload, qname: Name) -> Match | None:
         """``Store::find_server``: every alias, every wildcard of it, first hit wins."""
         aliases = names.get_aliases(
             qname, client.namespace, self.domain, self.search_domains(client)

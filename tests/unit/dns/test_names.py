@@ -74,7 +74,7 @@ def test_search_domains_per_pod() -> None:
 # stripped name and its FQDNs (each marked as stripped), no duplicate names.
 def test_get_aliases() -> None:
     search = names.search_domains("ns1", CD)
-    got = names.get_aliases(n("productpage.ns1.ns1.svc.cluster.local"), "ns1", CD, search)
+    got = list(names.get_aliases(n("productpage.ns1.ns1.svc.cluster.local"), "ns1", CD, search))
     stripped = n("productpage.ns1")
     assert got == [
         Alias(n("productpage.ns1.ns1.svc.cluster.local")),
