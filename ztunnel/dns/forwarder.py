@@ -144,8 +144,21 @@ CacheKey = tuple[bytes, int, int, int, bool]  # lower-case question name, type, 
 
 
 @dataclass(slots=True)
+class Rendered:
+    """An upstream response ready for clients: rendered once with EDNS (our payload, the DO bit
+    of the cache key, EDE options only) and once without, each with the offsets of its TTLs, so
+    a cache hit is a copy, a new ID, the client's question bytes and aged TTLs."""
+
+    edns: bytes
+    edns_ttls: tuple[int, ...]
+    plain: bytes
+    plain_ttls: tuple[int, ...]
+    failed: bool  # what Rust counts as an upstream failure (see Forwarded)
+
+
+@dataclass(slots=True)
 class _Entry:
-    msg: dns.message.Message
+    rendered: Rendered
     stored: float
     expires: float
 
@@ -166,7 +179,7 @@ def response_ttl(msg: dns.message.Message) -> int | None:
 
 
 class ResponseCache:
-    """LRU of upstream responses by question, each valid for its TTL."""
+    """LRU of rendered upstream responses by question, each valid for its TTL."""
 
     def __init__(self, size: int = CACHE_SIZE) -> None:
         self.size = size
@@ -175,7 +188,7 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._d)
 
-    def get(self, key: CacheKey, now: float) -> tuple[dns.message.Message, int] | None:
+    def get(self, key: CacheKey, now: float) -> tuple[Rendered, int] | None:
         e = self._d.get(key)
         if e is None:
             return None
@@ -183,18 +196,89 @@ class ResponseCache:
             del self._d[key]
             return None
         self._d.move_to_end(key)
-        return e.msg, int(now - e.stored)
+        return e.rendered, int(now - e.stored)
 
-    def put(self, key: CacheKey, msg: dns.message.Message, ttl: int, now: float) -> None:
+    def put(self, key: CacheKey, rendered: Rendered, ttl: int, now: float) -> None:
         if ttl <= 0 or self.size <= 0:
             return
-        self._d[key] = _Entry(msg, now, now + ttl)
+        self._d[key] = _Entry(rendered, now, now + ttl)
         self._d.move_to_end(key)
         while len(self._d) > self.size:
             self._d.popitem(last=False)
 
 
 # --- relaying --------------------------------------------------------------------------------------
+
+
+def render(msg: dns.message.Message, do: bool) -> Rendered:
+    """The upstream ``msg`` as we relay it: flags, rcode and sections as they came (TC cleared:
+    a TCP answer is complete); with EDNS for EDNS clients, without for the others (an extended
+    rcode they cannot see becomes SERVFAIL)."""
+    rcode = msg.rcode()
+    ede = [o for o in msg.options if o.otype == _EDE]
+
+    def one(edns: bool) -> bytes:
+        r = dns.message.Message(id=0)
+        r.flags = msg.flags & ~dns.flags.TC
+        r.question = msg.question
+        r.answer = msg.answer
+        r.authority = msg.authority
+        r.additional = msg.additional
+        if edns:
+            r.use_edns(0, dns.flags.DO if do else 0, UPSTREAM_PAYLOAD, options=ede)
+            r.set_rcode(rcode)
+        else:
+            r.set_rcode(rcode if rcode <= 15 else dns.rcode.SERVFAIL)
+        return r.to_wire(max_size=wire.MAX_MESSAGE)
+
+    e, p = one(True), one(False)
+    return Rendered(e, ttl_offsets(e), p, ttl_offsets(p), _failed(msg))
+
+
+def ttl_offsets(data: bytes) -> tuple[int, ...]:
+    """Where the TTL of each record (not OPT) sits in ``data``, a message dnspython rendered
+    for us (trusted: labels and compression pointers only)."""
+    qd, an, ns, ar = struct.unpack_from("!HHHH", data, 4)
+    pos = 12
+    for _ in range(qd):
+        pos = _skip_name(data, pos) + 4
+    out = []
+    for _ in range(an + ns + ar):
+        pos = _skip_name(data, pos)
+        rtype, _cls, _ttl, rdlen = struct.unpack_from("!HHIH", data, pos)
+        if rtype != wire.TYPE_OPT:
+            out.append(pos + 4)
+        pos += 10 + rdlen
+    return tuple(out)
+
+
+def _skip_name(data: bytes, pos: int) -> int:
+    while True:
+        b = data[pos]
+        if b == 0:
+            return pos + 1
+        if b & 0xC0:
+            return pos + 2
+        pos += b + 1
+
+
+def relay(req: wire.Request, rendered: Rendered, age: int, udp: bool) -> bytes:
+    """A rendered response for this client: its ID, its question bytes (the same name, maybe
+    in other case), TTLs less ``age``, fitted to its UDP size."""
+    if req.edns is not None:
+        data, ttls = rendered.edns, rendered.edns_ttls
+    else:
+        data, ttls = rendered.plain, rendered.plain_ttls
+    buf = bytearray(data)
+    struct.pack_into("!H", buf, 0, req.id)
+    q = req.question
+    if len(q) and buf[12 : 12 + len(q)].lower() == q.lower():
+        buf[12 : 12 + len(q)] = q
+    if age > 0:
+        for off in ttls:
+            (ttl,) = struct.unpack_from("!I", buf, off)
+            struct.pack_into("!I", buf, off, max(0, ttl - age))
+    return wire.fit(req, bytes(buf), udp)
 
 
 def upstream_query(req: wire.Request, qid: int) -> bytes:
@@ -204,41 +288,6 @@ def upstream_query(req: wire.Request, qid: int) -> bytes:
     do = wire.DO_BIT if req.edns is not None and req.edns.do else 0
     opt = b"\x00" + struct.pack("!HHIH", wire.TYPE_OPT, UPSTREAM_PAYLOAD, do, 0)
     return wire.HEADER.pack(qid, flags, 1, 0, 0, 1) + req.question + opt
-
-
-def relay(req: wire.Request, msg: dns.message.Message, age: int, udp: bool) -> bytes:
-    """The upstream ``msg`` for this client: its ID, TTLs less ``age``, EDNS as the client
-    asked (an extended rcode the client cannot see becomes SERVFAIL)."""
-    r = dns.message.Message(id=req.id)
-    r.flags = msg.flags & ~dns.flags.TC
-    rcode = msg.rcode()
-    r.question = msg.question
-    for src, dst in ((msg.answer, r.answer), (msg.authority, r.authority)):
-        for rrset in src:
-            dst.append(_aged(rrset, age))
-    for rrset in msg.additional:
-        r.additional.append(_aged(rrset, age))
-    if req.edns is not None:
-        ede = [o for o in msg.options if o.otype == _EDE]
-        r.use_edns(
-            0,
-            dns.flags.DO if req.edns.do else 0,
-            UPSTREAM_PAYLOAD,
-            options=ede,
-        )
-    elif rcode > 15:
-        rcode = dns.rcode.SERVFAIL
-    r.set_rcode(rcode)
-    out = r.to_wire(max_size=wire.MAX_MESSAGE)
-    return wire.fit(req, out, udp)
-
-
-def _aged(rrset: dns.rrset.RRset, age: int) -> dns.rrset.RRset:
-    if age <= 0:
-        return rrset
-    copy: dns.rrset.RRset = rrset.copy()  # type: ignore[no-untyped-call]
-    copy.ttl = max(0, rrset.ttl - age)
-    return copy
 
 
 # --- the forwarder ---------------------------------------------------------------------------------
@@ -256,7 +305,7 @@ class Forwarded:
 
 @dataclass(slots=True)
 class _Flight:
-    future: asyncio.Future[dns.message.Message | None] = field(
+    future: asyncio.Future[Rendered | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -304,9 +353,9 @@ class Forwarder:
         hit = self.cache.get(key, now)
         if hit is not None:
             cached, age = hit
-            return Forwarded(relay(req, cached, age, udp), _failed(cached), cached=True)
+            return Forwarded(relay(req, cached, age, udp), cached.failed, cached=True)
         flight = self._flights.get(key)
-        msg: dns.message.Message | None
+        rendered: Rendered | None
         if flight is None:
             if len(self._flights) >= self.max_inflight:
                 self._log.warning("busy", "dns %s: too many upstream queries in flight", self.name)
@@ -314,21 +363,25 @@ class Forwarder:
             flight = self._flights[key] = _Flight()
             try:
                 msg = await self._resolve(req)
+                rendered = None if msg is None else render(msg, key[4])
             except asyncio.CancelledError:
                 flight.future.cancel()
                 raise
+            except Exception:
+                flight.future.set_result(None)
+                raise
             finally:
                 del self._flights[key]
-            flight.future.set_result(msg)
-            if msg is not None:
+            flight.future.set_result(rendered)
+            if msg is not None and rendered is not None:
                 ttl = response_ttl(msg)
                 if ttl is not None:
-                    self.cache.put(key, msg, ttl, time.monotonic())
+                    self.cache.put(key, rendered, ttl, time.monotonic())
         else:
-            msg = await asyncio.shield(flight.future)
-        if msg is None:
+            rendered = await asyncio.shield(flight.future)
+        if rendered is None:
             return Forwarded(wire.error(req, wire.SERVFAIL), True)
-        return Forwarded(relay(req, msg, 0, udp), _failed(msg))
+        return Forwarded(relay(req, rendered, 0, udp), rendered.failed)
 
     async def _resolve(self, req: wire.Request) -> dns.message.Message | None:
         conf = self.source.get()

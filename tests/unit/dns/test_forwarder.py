@@ -76,7 +76,7 @@ def test_response_ttl() -> None:
 
 def test_cache_lru_and_expiry() -> None:
     c = fw.ResponseCache(size=2)
-    m = response("a.test.", "A", "1.2.3.4")
+    m = fw.render(response("a.test.", "A", "1.2.3.4"), False)
     keys = [(b"a", 1, 1, 0, False), (b"b", 1, 1, 0, False), (b"c", 1, 1, 0, False)]
     c.put(keys[0], m, 10, now=100.0)
     c.put(keys[1], m, 10, now=100.0)
@@ -93,21 +93,44 @@ def req_of(name: str, rdtype: str = "A", **kw: object) -> wire.Request:
 
 
 def test_relay_keeps_the_answer_and_ages_ttls() -> None:
-    up = response("web.test.", "A", "10.9.9.9", ttl=60)
+    up = response("web.test.", "A", "10.9.9.9", "10.9.9.8", ttl=60)
+    up.authority.append(dns.rrset.from_text("test.", 100, "IN", "NS", "ns.test."))
+    up.additional.append(dns.rrset.from_text("ns.test.", 200, "IN", "A", "10.0.0.53"))
     up.flags |= dns.flags.RA | dns.flags.AD
-    up.use_edns(
-        0,
-        0,
-        1232,
-        options=[dns.edns.EDEOption(dns.edns.EDECode.OTHER, "x"), dns.edns.NSIDOption(b"n")],
-    )
-    r = req_of("web.test", use_edns=0, payload=1232)
-    out = dns.message.from_wire(fw.relay(r, up, age=15, udp=True))
-    assert out.id == r.id and out.answer[0].ttl == 45
+    ede = dns.edns.EDEOption(dns.edns.EDECode.OTHER, "x")
+    up.use_edns(0, 0, 1232, options=[ede, dns.edns.NSIDOption(b"n")])
+    rendered = fw.render(up, False)
+    r = req_of("WEB.test", use_edns=0, payload=1232)
+    out = dns.message.from_wire(fw.relay(r, rendered, age=15, udp=True))
+    assert out.id == r.id and str(out.question[0].name) == "WEB.test."  # the client's case
+    assert [x.ttl for sec in (out.answer, out.authority, out.additional) for x in sec] == [
+        45,
+        85,
+        185,
+    ]
+    assert sorted(str(x) for x in out.answer[0]) == ["10.9.9.8", "10.9.9.9"]
     assert out.flags & dns.flags.AD and out.flags & dns.flags.RA
     assert [o.otype for o in out.options] == [dns.edns.OptionType.EDE]  # only EDE is passed on
-    plain = dns.message.from_wire(fw.relay(req_of("web.test"), up, age=0, udp=True))
-    assert plain.edns == -1  # the client asked without EDNS
+    plain = dns.message.from_wire(fw.relay(req_of("web.test"), rendered, age=100, udp=True))
+    assert plain.edns == -1 and plain.answer[0].ttl == 0  # no EDNS asked; TTLs never negative
+
+
+def test_ttl_offsets_agree_with_dnspython() -> None:
+    up = response("a.test.", "A", "1.1.1.1", ttl=7)
+    up.answer.append(dns.rrset.from_text("a.test.", 9, "IN", "TXT", '"x"'))
+    up.use_edns(0, 0, 1232)
+    data = up.to_wire()
+    offs = fw.ttl_offsets(data)
+    assert [struct.unpack_from("!I", data, o)[0] for o in offs] == [7, 9]
+
+
+def test_extended_rcode_is_servfail_without_edns() -> None:
+    up = response("a.test.", "A")
+    up.use_edns(0, 0, 1232)
+    up.set_rcode(dns.rcode.BADCOOKIE)
+    rendered = fw.render(up, False)
+    assert dns.message.from_wire(rendered.plain).rcode() == dns.rcode.SERVFAIL
+    assert dns.message.from_wire(rendered.edns).rcode() == dns.rcode.BADCOOKIE
 
 
 def test_upstream_query_shape() -> None:
@@ -127,12 +150,18 @@ class Upstream:
 
     def __init__(self, answer: Callable[[dns.message.Message, bool], list[bytes]]) -> None:
         self.answer = answer
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.bind(("127.0.0.1", 0))
-        self.port = self.udp.getsockname()[1]
-        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.tcp.bind(("127.0.0.1", self.port))
+        for _ in range(50):  # one port for both: the UDP one's number may be taken on TCP
+            self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.udp.bind(("127.0.0.1", 0))
+            self.port = self.udp.getsockname()[1]
+            self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self.tcp.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                self.udp.close()
+                self.tcp.close()
         self.tcp.listen(8)
         self.udp.setblocking(False)
         self.tcp.setblocking(False)
