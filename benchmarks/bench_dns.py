@@ -16,8 +16,9 @@ Load is ``dnsperf`` (C) in the client pod: to 10.96.0.10:53 (captured to ztunnel
   CPU seconds (utime+stime from /proc) over the run. Client and servers share the two cores,
   so this, not raw qps, is the comparison; dnsperf's own CPU is reported too.
 * **p50/p99 latency at ``--rate`` qps** (``-Q``): per-query latencies from ``dnsperf -v``.
-* both for a **mesh name** (answered from state by ztunnel, a local record in dnsmasq) and a
-  **forwarded name** (``web.example.test``, answered from each one's cache after the first).
+* for a **mesh name** (answered from state by ztunnel, a local record in dnsmasq), a
+  **forwarded name** answered from each one's cache (``web.example.test``, TTL 60 upstream) and
+  one forwarded every time by both (TTL 0 upstream).
 * **memory per cached name**: the forwarder's cache filled with 4096 distinct real responses
   (``tracemalloc``, in this process).
 
@@ -27,6 +28,7 @@ Writes ``benchmarks/results/dns.json`` and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -50,7 +52,9 @@ from ztunnel.testing.nodeagent import FakeNodeAgent  # noqa: E402
 from ztunnel.testing.proc import ZtunnelProcess  # noqa: E402
 
 MESH = "productpage.ns1.svc.cluster.local"
-FORWARDED = "web.example.test"
+FORWARDED = "web.example.test"  # TTL 60 upstream: answered from each one's cache
+UNCACHED = "x.nocache.example.test"  # TTL 0 upstream: forwarded every time by both
+CASES = (("mesh", MESH), ("forwarded, cached", FORWARDED), ("forwarded, uncached", UNCACHED))
 CAPTURED = "10.96.0.10"
 PEER = "127.0.0.53"
 
@@ -127,10 +131,8 @@ def run_dnsperf(
             # -v lines: "> NOERROR <name> A 0.000123" (status, query, latency in seconds)
             parts = line.split()
             if len(parts) >= 4 and parts[0] == ">" and parts[1] == "NOERROR":
-                try:
+                with contextlib.suppress(ValueError):
                     lat.append(float(parts[-1]))
-                except ValueError:
-                    pass
         lat.sort()
         if lat:
             res["p50_ms"] = 1000 * lat[len(lat) // 2]
@@ -139,9 +141,7 @@ def run_dnsperf(
     return res
 
 
-def measure(
-    pod: Pod, server: str, pid: int, name: str, seconds: float, tmp: str
-) -> dict[str, Any]:
+def measure(pod: Pod, server: str, pid: int, name: str, seconds: float, tmp: str) -> dict[str, Any]:
     """One unpaced run: qps, and qps per CPU-second of the server ``pid``."""
     c0 = cpu_seconds(pid)
     r = run_dnsperf(pod, server, name, seconds, rate=None, tmp=tmp)
@@ -156,7 +156,7 @@ def cache_bytes_per_name(n: int = 4096) -> float:
     import dns.message
     import dns.rrset
 
-    from ztunnel.dns.forwarder import ResponseCache
+    from ztunnel.dns.forwarder import ResponseCache, render
 
     wires = []
     for i in range(n):
@@ -169,9 +169,9 @@ def cache_bytes_per_name(n: int = 4096) -> float:
     before = tracemalloc.take_snapshot()
     now = time.monotonic()
     for i, w in enumerate(wires):
-        msg = dns.message.from_wire(w)
+        rendered = render(dns.message.from_wire(w), False)
         key = (f"host{i}.example.test".encode(), 1, 1, 0x100, False)
-        cache.put(key, msg, 300, now)
+        cache.put(key, rendered, 300, now)
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
@@ -196,7 +196,11 @@ def main() -> int:
         n1 = tb.add_node("n1")
         up = tb.add_external("dns")
         pod = n1.add_pod("client")
-        up_args = ("--local=/example.test/", "--address=/example.test/10.9.9.9")
+        up_args = (
+            "--local=/example.test/",
+            f"--host-record={FORWARDED},10.9.9.9,60",
+            "--address=/nocache.example.test/10.9.9.8",
+        )
         dnsmasq(up, up.ip4, 53, *up_args)
         dnsmasq(up, up.ip4, 5300, *up_args)  # the peer's upstream (53 from the pod is captured)
         n1.set_resolv_conf(f"nameserver {up.ip4}\n")
@@ -231,7 +235,6 @@ services:
                 "CONNECTION_TERMINATION_DEADLINE": "1s",
             },
         )
-        zt.log_env = {"LOG_FORMAT": "json", "RUST_LOG": "info"}
         zt.start()
         agent.wait_for_snapshot()
         peer = dnsmasq(
@@ -244,12 +247,12 @@ services:
         servers = {"ztunnel": (CAPTURED, zt.pid), "dnsmasq": (PEER, peer.pid)}
         # warm both caches and check both answer
         for srv, _pid in servers.values():
-            for name in (MESH, FORWARDED):
+            for name in (MESH, FORWARDED, UNCACHED):
                 out = pod.run("dig", "+short", "+time=2", f"@{srv}", name).stdout.strip()
-                assert out in ("10.96.1.1", "10.9.9.9"), (srv, name, out)
+                assert out in ("10.96.1.1", "10.9.9.9", "10.9.9.8"), (srv, name, out)
         rss0 = rss_kib(zt.pid)
         for rnd in range(args.rounds):
-            for case, name in (("mesh", MESH), ("forwarded", FORWARDED)):
+            for case, name in CASES:
                 order = list(servers.items()) if rnd % 2 == 0 else list(servers.items())[::-1]
                 for who, (srv, pid) in order:
                     r = measure(pod, srv, pid, name, args.seconds, tmp)
@@ -267,9 +270,10 @@ services:
 
     per_name = cache_bytes_per_name()
     summary: dict[str, Any] = {}
-    for case in ("mesh", "forwarded"):
-        z_core, d_core = med(f"ztunnel {case} max", "qps_per_core"), med(
-            f"dnsmasq {case} max", "qps_per_core"
+    for case, _name in CASES:
+        z_core, d_core = (
+            med(f"ztunnel {case} max", "qps_per_core"),
+            med(f"dnsmasq {case} max", "qps_per_core"),
         )
         summary[case] = {
             "ztunnel_qps": med(f"ztunnel {case} max", "qps"),
@@ -294,12 +298,12 @@ services:
         "ztunnel_rss_kib": [rss0, rss1],
         "runs": results,
     }
-    out = ROOT / "benchmarks" / "results" / "dns.json"
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    dest = ROOT / "benchmarks" / "results" / "dns.json"
+    dest.write_text(json.dumps(doc, indent=2) + "\n")
     print()
     print(f"| {args.rounds} rounds x {args.seconds:g} s, median | ztunnel-py | dnsmasq | ratio |")
     print("|---|---|---|---|")
-    for case in ("mesh", "forwarded"):
+    for case, _name in CASES:
         s = summary[case]
         print(
             f"| {case}: queries/s per server core | {s['ztunnel_qps_per_core']:.0f} |"

@@ -341,19 +341,19 @@ class Forwarder:
     def search_domains(self) -> list[Name]:
         return list(self.source.get().search)
 
+    def cached(self, req: wire.Request, udp: bool) -> Forwarded | None:
+        """The answer from the cache, without waiting; None if it is not there."""
+        hit = self.cache.get(_key(req), time.monotonic())
+        if hit is None:
+            return None
+        rendered, age = hit
+        return Forwarded(relay(req, rendered, age, udp), rendered.failed, cached=True)
+
     async def forward(self, req: wire.Request, udp: bool) -> Forwarded:
-        key: CacheKey = (
-            req.question[: len(req.question) - 4].lower(),
-            req.qtype,
-            req.qclass,
-            req.flags & (wire.RD | wire.CD),
-            bool(req.edns is not None and req.edns.do),
-        )
-        now = time.monotonic()
-        hit = self.cache.get(key, now)
-        if hit is not None:
-            cached, age = hit
-            return Forwarded(relay(req, cached, age, udp), cached.failed, cached=True)
+        got = self.cached(req, udp)
+        if got is not None:
+            return got
+        key = _key(req)
         flight = self._flights.get(key)
         rendered: Rendered | None
         if flight is None:
@@ -490,6 +490,16 @@ def _accept(data: bytes, qid: int, req: wire.Request) -> dns.message.Message | N
     if q.name != want or q.rdtype != req.qtype or q.rdclass != req.qclass:
         return None
     return msg
+
+
+def _key(req: wire.Request) -> CacheKey:
+    return (
+        req.question[: len(req.question) - 4].lower(),
+        req.qtype,
+        req.qclass,
+        req.flags & (wire.RD | wire.CD),
+        bool(req.edns is not None and req.edns.do),
+    )
 
 
 def _failed(msg: dns.message.Message) -> bool:

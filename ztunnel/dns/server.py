@@ -46,6 +46,7 @@ MAX_TCP_CONNECTIONS = 128
 TCP_REQUEST_TIMEOUT = 5.0  # server.rs DEFAULT_TCP_REQUEST_TIMEOUT: idle or slow reads close
 CLIENT_WAIT = 5.0  # proxy.rs get_workload: wait_for_workload(.., 5 s), then SERVFAIL
 _UDP_BATCH = 64
+HOT_SIZE = 256  # replies remembered per server by request bytes (see DnsServer._on_udp)
 _IPV6_LO_DISABLED = "/proc/sys/net/ipv6/conf/lo/disable_ipv6"
 
 
@@ -102,6 +103,12 @@ class DnsServer:
         self._log = RateLimitedLog(log)
         self._cells: dict[tuple[int, bool, int], tuple[Cell, Workload | None]] = {}
         self.dropped = 0
+        # The hot case: the same query again (a client asking for one service over and over).
+        # Our answer from state is a function of the request's bytes after the ID, the state and
+        # the client; so for one state generation, request[2:] -> reply[2:] (+ its counter).
+        # Only single-address answers (nothing to shuffle), UDP, bounded.
+        self._hot: dict[bytes, tuple[bytes, Cell | None]] = {}
+        self._hot_gen = -1
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -198,6 +205,11 @@ class DnsServer:
 
     def _on_udp(self, sock: socket.socket) -> None:
         buf, view = self._buf, self._view
+        hot = self._hot
+        gen = self.state.generation
+        if gen != self._hot_gen:
+            hot.clear()
+            self._hot_gen = gen
         for _ in range(_UDP_BATCH):
             try:
                 n, addr = sock.recvfrom_into(buf)
@@ -206,6 +218,13 @@ class DnsServer:
             except OSError as e:
                 self._log.warning("udp-recv", "dns %s: recv failed: %s", self.name, e)
                 return
+            if n > 12:
+                tmpl = hot.get(view[2:n].tobytes())
+                if tmpl is not None:
+                    _sendto(sock, view[:2].tobytes() + tmpl[0], addr)
+                    if tmpl[1] is not None:
+                        tmpl[1].value += 1
+                    continue
             data = bytes(view[:n])
             reply = self.answer_now(data, True)
             if reply is None:
@@ -316,12 +335,31 @@ class DnsServer:
             # request_info(): BadQueryCount -> LookupError -> send_lookup_error: SERVFAIL.
             return wire.error(req, wire.SERVFAIL)
         if not is_supported_type(req.qtype) or req.qname is None:
-            return req
+            return self._cached(req, client, udp)
         ans = self.resolver.resolve(client, req.qname, req.qtype)
         if ans is None:
+            return self._cached(req, client, udp)
+        cell = self._count(req, udp, client)
+        reply = wire.fit(req, wire.answer(req, ans.addresses, cname=ans.cname), udp)
+        if udp and len(ans.addresses) <= 1 and req.raw is not None and len(self._hot) < HOT_SIZE:
+            self._hot[req.raw[2:]] = (reply[2:], cell)
+        return reply
+
+    def _cached(self, req: wire.Request, client: Workload, udp: bool) -> bytes | wire.Request:
+        """A forwarded name already in the cache is answered at once (counted as forwarded,
+        as hickory's cache sits inside Rust's forwarder too); else the request goes on."""
+        got = self.forwarder.cached(req, udp)
+        if got is None:
             return req
-        self._count(req, udp, client)
-        return wire.fit(req, wire.answer(req, ans.addresses, cname=ans.cname), udp)
+        m = self.metrics
+        if m is not None:
+            labels = self._labels(req, udp, client)
+            m.requests.labels(*labels).value += 1
+            m.upstream_requests.labels(*labels).value += 1
+            m.upstream_duration.observe(labels, 0.0)
+            if got.failed:
+                m.upstream_failures.labels(*labels).value += 1
+        return got.reply
 
     async def _forward(self, req: wire.Request, client: Workload, udp: bool) -> bytes:
         m = self.metrics
@@ -340,10 +378,10 @@ class DnsServer:
         qtype = wire.type_text(req.qtype) if req.qcount == 1 else "unknown"
         return dns_labels(qtype, "udp" if udp else "tcp", client)
 
-    def _count(self, req: wire.Request, udp: bool, client: Workload | None) -> None:
+    def _count(self, req: wire.Request, udp: bool, client: Workload | None) -> Cell | None:
         m = self.metrics
         if m is None:
-            return
+            return None
         key = (req.qtype if req.qcount == 1 else -1, udp, id(client))
         hit = self._cells.get(key)
         if hit is None or hit[1] is not client:
@@ -351,6 +389,7 @@ class DnsServer:
                 self._cells.clear()
             hit = self._cells[key] = (m.requests.labels(*self._labels(req, udp, client)), client)
         hit[0].value += 1
+        return hit[0]
 
 
 def _sendto(sock: socket.socket, data: bytes, addr: Any) -> None:

@@ -79,6 +79,7 @@ class Request:
     qclass: int
     edns: Edns | None
     message: dns.message.Message | None = None  # only when dnspython parsed it
+    raw: bytes | None = None  # the request as received (the fast path keeps it)
 
     @property
     def udp_limit(self) -> int:
@@ -173,7 +174,7 @@ def parse_fast(wire: bytes) -> Request | None:
             if not (0x61 <= b <= 0x7A or 0x41 <= b <= 0x5A or 0x30 <= b <= 0x39 or b in b"-_*"):
                 return None
     qname = tuple(label.decode("ascii").lower() for label in labels)
-    return Request(qid, flags, 0, 1, wire[12:qend], qname, None, qtype, qclass, edns)
+    return Request(qid, flags, 0, 1, wire[12:qend], qname, None, qtype, qclass, edns, raw=wire)
 
 
 def _parse_slow(wire: bytes) -> Request | FormErr:
