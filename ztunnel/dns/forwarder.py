@@ -213,43 +213,57 @@ class ResponseCache:
 def render(msg: dns.message.Message, do: bool) -> Rendered:
     """The upstream ``msg`` as we relay it: flags, rcode and sections as they came (TC cleared:
     a TCP answer is complete); with EDNS for EDNS clients, without for the others (an extended
-    rcode they cannot see becomes SERVFAIL)."""
+    rcode they cannot see becomes SERVFAIL). Rendered once by dnspython; the variant without
+    EDNS is the same bytes less the OPT record."""
     rcode = msg.rcode()
+    r = dns.message.Message(id=0)
+    r.flags = msg.flags & ~dns.flags.TC
+    r.question = msg.question
+    r.answer = msg.answer
+    r.authority = msg.authority
+    r.additional = msg.additional
     ede = [o for o in msg.options if o.otype == _EDE]
-
-    def one(edns: bool) -> bytes:
-        r = dns.message.Message(id=0)
-        r.flags = msg.flags & ~dns.flags.TC
-        r.question = msg.question
-        r.answer = msg.answer
-        r.authority = msg.authority
-        r.additional = msg.additional
-        if edns:
-            r.use_edns(0, dns.flags.DO if do else 0, UPSTREAM_PAYLOAD, options=ede)
-            r.set_rcode(rcode)
-        else:
-            r.set_rcode(rcode if rcode <= 15 else dns.rcode.SERVFAIL)
-        return r.to_wire(max_size=wire.MAX_MESSAGE)
-
-    e, p = one(True), one(False)
-    return Rendered(e, ttl_offsets(e), p, ttl_offsets(p), _failed(msg))
+    r.use_edns(0, dns.flags.DO if do else 0, UPSTREAM_PAYLOAD, options=ede)
+    r.set_rcode(rcode)
+    e: bytes = r.to_wire(max_size=wire.MAX_MESSAGE)
+    ttls, opt = _walk(e)
+    if opt is None:  # (dnspython always writes the OPT we asked for)
+        return Rendered(e, ttls, e, ttls, _failed(msg))
+    start, end = opt
+    cut = end - start
+    plain = bytearray(e[:start] + e[end:])
+    (ar,) = struct.unpack_from("!H", plain, 10)
+    struct.pack_into("!H", plain, 10, ar - 1)
+    flags = struct.unpack_from("!H", plain, 2)[0] & ~0xF
+    struct.pack_into("!H", plain, 2, flags | (rcode if rcode <= 15 else dns.rcode.SERVFAIL))
+    pttls = tuple(o if o < start else o - cut for o in ttls)
+    return Rendered(e, ttls, bytes(plain), pttls, _failed(msg))
 
 
 def ttl_offsets(data: bytes) -> tuple[int, ...]:
-    """Where the TTL of each record (not OPT) sits in ``data``, a message dnspython rendered
-    for us (trusted: labels and compression pointers only)."""
+    """Where the TTL of each record (not OPT) sits in ``data``."""
+    return _walk(data)[0]
+
+
+def _walk(data: bytes) -> tuple[tuple[int, ...], tuple[int, int] | None]:
+    """TTL offsets of the records of ``data`` (a message dnspython rendered for us: trusted,
+    labels and compression pointers only) and where its OPT record starts and ends."""
     qd, an, ns, ar = struct.unpack_from("!HHHH", data, 4)
     pos = 12
     for _ in range(qd):
         pos = _skip_name(data, pos) + 4
     out = []
+    opt = None
     for _ in range(an + ns + ar):
+        start = pos
         pos = _skip_name(data, pos)
         rtype, _cls, _ttl, rdlen = struct.unpack_from("!HHIH", data, pos)
         if rtype != wire.TYPE_OPT:
             out.append(pos + 4)
         pos += 10 + rdlen
-    return tuple(out)
+        if rtype == wire.TYPE_OPT:
+            opt = (start, pos)
+    return tuple(out), opt
 
 
 def _skip_name(data: bytes, pos: int) -> int:
