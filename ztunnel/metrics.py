@@ -46,6 +46,8 @@ __all__ = [
     "ConnectionMetrics",
     "DnsMetrics",
     "Family",
+    "HistogramCell",
+    "HistogramFamily",
     "InpodMetrics",
     "Metrics",
     "Reporter",

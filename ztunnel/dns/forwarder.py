@@ -226,9 +226,43 @@ def render(msg: dns.message.Message, do: bool) -> Rendered:
     r.use_edns(0, dns.flags.DO if do else 0, UPSTREAM_PAYLOAD, options=ede)
     r.set_rcode(rcode)
     e: bytes = r.to_wire(max_size=wire.MAX_MESSAGE)
-    ttls, opt = _walk(e)
+    ttls, opt, _end, _last = _walk(e)
     if opt is None:  # (dnspython always writes the OPT we asked for)
         return Rendered(e, ttls, e, ttls, _failed(msg))
+    return _variants(e, ttls, opt, rcode, _failed(msg))
+
+
+def render_raw(msg: dns.message.Message, raw: bytes, do: bool) -> Rendered:
+    """``render`` without re-rendering: the upstream's own bytes (dnspython parsed them, so
+    their structure is good) with ID 0, TC cleared and our payload in the OPT, when they need
+    nothing else (no option but EDE, the OPT last, no TSIG); otherwise ``render``."""
+    if any(o.otype != _EDE for o in msg.options) or msg.had_tsig:
+        return render(msg, do)
+    ttls, opt, end, last_is_opt = _walk(raw)
+    if opt is not None and not last_is_opt:
+        return render(msg, do)
+    e = bytearray(raw[:end])
+    struct.pack_into("!H", e, 0, 0)
+    flags = struct.unpack_from("!H", e, 2)[0] & ~wire.TC
+    struct.pack_into("!H", e, 2, flags)
+    rcode = msg.rcode()
+    if opt is None:
+        # no OPT upstream: ours for EDNS clients (rcode fits the header)
+        start = len(e)
+        e += b"\x00" + struct.pack(
+            "!HHIH", wire.TYPE_OPT, UPSTREAM_PAYLOAD, wire.DO_BIT if do else 0, 0
+        )
+        (ar,) = struct.unpack_from("!H", e, 10)
+        struct.pack_into("!H", e, 10, ar + 1)
+        opt = (start, len(e))
+    else:
+        struct.pack_into("!H", e, opt[0] + 3, UPSTREAM_PAYLOAD)
+    return _variants(bytes(e), ttls, opt, rcode, _failed(msg))
+
+
+def _variants(
+    e: bytes, ttls: tuple[int, ...], opt: tuple[int, int], rcode: int, failed: bool
+) -> Rendered:
     start, end = opt
     cut = end - start
     plain = bytearray(e[:start] + e[end:])
@@ -237,7 +271,7 @@ def render(msg: dns.message.Message, do: bool) -> Rendered:
     flags = struct.unpack_from("!H", plain, 2)[0] & ~0xF
     struct.pack_into("!H", plain, 2, flags | (rcode if rcode <= 15 else dns.rcode.SERVFAIL))
     pttls = tuple(o if o < start else o - cut for o in ttls)
-    return Rendered(e, ttls, bytes(plain), pttls, _failed(msg))
+    return Rendered(e, ttls, bytes(plain), pttls, failed)
 
 
 def ttl_offsets(data: bytes) -> tuple[int, ...]:
@@ -245,15 +279,17 @@ def ttl_offsets(data: bytes) -> tuple[int, ...]:
     return _walk(data)[0]
 
 
-def _walk(data: bytes) -> tuple[tuple[int, ...], tuple[int, int] | None]:
-    """TTL offsets of the records of ``data`` (a message dnspython rendered for us: trusted,
-    labels and compression pointers only) and where its OPT record starts and ends."""
+def _walk(data: bytes) -> tuple[tuple[int, ...], tuple[int, int] | None, int, bool]:
+    """TTL offsets of the records of ``data``, where its OPT record starts and ends, where the
+    message ends, and whether the OPT is the last record. Only for a message dnspython rendered
+    or already parsed (so its structure is known good)."""
     qd, an, ns, ar = struct.unpack_from("!HHHH", data, 4)
     pos = 12
     for _ in range(qd):
         pos = _skip_name(data, pos) + 4
     out = []
     opt = None
+    last_is_opt = False
     for _ in range(an + ns + ar):
         start = pos
         pos = _skip_name(data, pos)
@@ -261,9 +297,10 @@ def _walk(data: bytes) -> tuple[tuple[int, ...], tuple[int, int] | None]:
         if rtype != wire.TYPE_OPT:
             out.append(pos + 4)
         pos += 10 + rdlen
-        if rtype == wire.TYPE_OPT:
+        last_is_opt = rtype == wire.TYPE_OPT
+        if last_is_opt:
             opt = (start, pos)
-    return tuple(out), opt
+    return tuple(out), opt, pos, last_is_opt
 
 
 def _skip_name(data: bytes, pos: int) -> int:
@@ -376,8 +413,9 @@ class Forwarder:
                 return Forwarded(wire.error(req, wire.SERVFAIL), True)
             flight = self._flights[key] = _Flight()
             try:
-                msg = await self._resolve(req)
-                rendered = None if msg is None else render(msg, key[4])
+                answered = await self._resolve(req)
+                msg = None if answered is None else answered[0]
+                rendered = None if answered is None else render_raw(*answered, key[4])
             except asyncio.CancelledError:
                 flight.future.cancel()
                 raise
@@ -397,7 +435,7 @@ class Forwarder:
             return Forwarded(wire.error(req, wire.SERVFAIL), True)
         return Forwarded(relay(req, rendered, 0, udp), rendered.failed)
 
-    async def _resolve(self, req: wire.Request) -> dns.message.Message | None:
+    async def _resolve(self, req: wire.Request) -> Answered | None:
         conf = self.source.get()
         if not conf.nameservers:
             self._log.warning("noupstream", "dns %s: no upstream nameserver configured", self.name)
@@ -415,7 +453,7 @@ class Forwarder:
             target = SocketAddr(server, self.port)
             try:
                 msg = await self._udp(target, query, qid, req, min(per_try, left))
-                if msg is not None and msg.flags & dns.flags.TC:
+                if msg is not None and msg[0].flags & dns.flags.TC:
                     left = end - loop.time()
                     if left <= 0.01:
                         break
@@ -432,7 +470,7 @@ class Forwarder:
 
     async def _udp(
         self, target: SocketAddr, query: bytes, qid: int, req: wire.Request, timeout: float
-    ) -> dns.message.Message | None:
+    ) -> Answered | None:
         loop = asyncio.get_running_loop()
         sock = self.sockets.datagram(target.family)
         try:
@@ -456,7 +494,7 @@ class Forwarder:
 
     async def _tcp(
         self, target: SocketAddr, query: bytes, qid: int, req: wire.Request, timeout: float
-    ) -> dns.message.Message | None:
+    ) -> Answered | None:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
@@ -485,25 +523,25 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n:
     return bytes(buf)
 
 
-def _accept(data: bytes, qid: int, req: wire.Request) -> dns.message.Message | None:
-    """The upstream reply if it answers our query (ID, QR, our question), else None."""
-    if len(data) < 12 or struct.unpack_from("!H", data)[0] != qid:
+Answered = tuple[dns.message.Message, bytes]  # the parsed reply and its bytes
+
+
+def _accept(data: bytes, qid: int, req: wire.Request) -> Answered | None:
+    """The upstream reply if it answers our query (ID, QR, one question: ours), else None."""
+    q = req.question
+    if len(data) < 12 + len(q):
+        return None
+    rid, flags, qd = struct.unpack_from("!HHH", data)
+    # A reply may omit the question only when it carries an error (e.g. FORMERR); we ask
+    # nothing that should get one, so treat it as no answer. Our question is the first name in
+    # the message, so never compressed: compare its bytes (case-insensitively).
+    if rid != qid or not flags & wire.QR or qd != 1 or data[12 : 12 + len(q)].lower() != q.lower():
         return None
     try:
         msg = dns.message.from_wire(data, ignore_trailing=True)
-    except dns.exception.DNSException:
+    except Exception:  # dnspython raises many kinds on bad input; all mean "not an answer"
         return None
-    except Exception:
-        return None
-    if not msg.flags & dns.flags.QR or len(msg.question) != 1:
-        # A reply may omit the question only when it carries an error (e.g. FORMERR); we ask
-        # nothing that should get one, so treat it as no answer.
-        return None
-    q = msg.question[0]
-    want = dns.name.from_wire(req.question, 0)[0]
-    if q.name != want or q.rdtype != req.qtype or q.rdclass != req.qclass:
-        return None
-    return msg
+    return msg, data
 
 
 def _key(req: wire.Request) -> CacheKey:

@@ -22,6 +22,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ztunnel.config import Config, ProxyMode
@@ -30,7 +31,7 @@ from ztunnel.dns import wire
 from ztunnel.dns.forwarder import Forwarder, ResolvConfSource
 from ztunnel.dns.ratelimit import RateLimitedLog
 from ztunnel.dns.resolver import Resolver, is_supported_type
-from ztunnel.metrics import Cell, DnsMetrics, dns_labels
+from ztunnel.metrics import Cell, DnsMetrics, HistogramCell, dns_labels
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.sockets import SocketFactory
 from ztunnel.state.model import Workload
@@ -101,7 +102,7 @@ class DnsServer:
         self._buf = bytearray(65535)
         self._view = memoryview(self._buf)
         self._log = RateLimitedLog(log)
-        self._cells: dict[tuple[int, bool, int], tuple[Cell, Workload | None]] = {}
+        self._cells: dict[tuple[int, bool, int], _Series] = {}
         self.dropped = 0
         # The hot case: the same query again (a client asking for one service over and over).
         # Our answer from state is a function of the request's bytes after the ID, the state and
@@ -351,45 +352,68 @@ class DnsServer:
         got = self.forwarder.cached(req, udp)
         if got is None:
             return req
-        m = self.metrics
-        if m is not None:
-            labels = self._labels(req, udp, client)
-            m.requests.labels(*labels).value += 1
-            m.upstream_requests.labels(*labels).value += 1
-            m.upstream_duration.observe(labels, 0.0)
-            if got.failed:
-                m.upstream_failures.labels(*labels).value += 1
+        self._count_forward(req, udp, client, 0.0, got.failed)
         return got.reply
 
     async def _forward(self, req: wire.Request, client: Workload, udp: bool) -> bytes:
-        m = self.metrics
-        labels = self._labels(req, udp, client)
         start = time.perf_counter()
         result = await self.forwarder.forward(req, udp)
-        if m is not None:
-            m.requests.labels(*labels).value += 1
-            m.upstream_requests.labels(*labels).value += 1
-            m.upstream_duration.observe(labels, time.perf_counter() - start)
-            if result.failed:
-                m.upstream_failures.labels(*labels).value += 1
+        self._count_forward(req, udp, client, time.perf_counter() - start, result.failed)
         return result.reply
 
     def _labels(self, req: wire.Request, udp: bool, client: Workload | None) -> tuple[str, ...]:
         qtype = wire.type_text(req.qtype) if req.qcount == 1 else "unknown"
         return dns_labels(qtype, "udp" if udp else "tcp", client)
 
-    def _count(self, req: wire.Request, udp: bool, client: Workload | None) -> Cell | None:
+    def _series(self, req: wire.Request, udp: bool, client: Workload | None) -> _Series | None:
+        """The label set's cells, memoised by (type, protocol, client object)."""
         m = self.metrics
         if m is None:
             return None
         key = (req.qtype if req.qcount == 1 else -1, udp, id(client))
         hit = self._cells.get(key)
-        if hit is None or hit[1] is not client:
+        if hit is None or hit.client is not client:
             if len(self._cells) > 64:
                 self._cells.clear()
-            hit = self._cells[key] = (m.requests.labels(*self._labels(req, udp, client)), client)
-        hit[0].value += 1
-        return hit[0]
+            labels = self._labels(req, udp, client)
+            hit = self._cells[key] = _Series(
+                client,
+                m.requests.labels(*labels),
+                m.upstream_requests.labels(*labels),
+                m.upstream_failures.labels(*labels),
+                m.upstream_duration.labels(*labels),
+                m.upstream_duration.bounds,
+            )
+        return hit
+
+    def _count(self, req: wire.Request, udp: bool, client: Workload | None) -> Cell | None:
+        series = self._series(req, udp, client)
+        if series is None:
+            return None
+        series.requests.value += 1
+        return series.requests
+
+    def _count_forward(
+        self, req: wire.Request, udp: bool, client: Workload, took: float, failed: bool
+    ) -> None:
+        series = self._series(req, udp, client)
+        if series is None:
+            return
+        series.requests.value += 1
+        series.upstream.value += 1
+        series.duration.observe(took, series.bounds)
+        if failed:
+            series.failures.value += 1
+
+
+@dataclass(slots=True)
+class _Series:
+    client: Workload | None
+    requests: Cell
+    upstream: Cell
+    failures: Cell
+    duration: HistogramCell
+    bounds: tuple[float, ...]
 
 
 def _sendto(sock: socket.socket, data: bytes, addr: Any) -> None:

@@ -17,6 +17,7 @@ from state, and echo EDNS (payload at least 512, the client's version and DO bit
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -276,6 +277,7 @@ def rcode_of(wire: bytes) -> int:
     return int(struct.unpack_from("!H", wire, 2)[0]) & 0xF
 
 
+@functools.lru_cache(maxsize=256)
 def type_text(qtype: int) -> str:
     """The metric label: the record type name in lower case (``a``, ``aaaa``, ``type65535``)."""
     import dns.rdatatype

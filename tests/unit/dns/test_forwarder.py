@@ -289,3 +289,41 @@ async def test_no_upstream_is_servfail(tmp_path: Path) -> None:
     f = fw.Forwarder(SocketFactory(mark=None), fw.ResolvConfSource(str(conf)))
     got = await f.forward(req_of("x.test"), True)
     assert got.failed and wire.rcode_of(got.reply) == wire.SERVFAIL
+
+
+def _cases() -> list[dns.message.Message]:
+    out = []
+    for opt in (
+        None,
+        [],
+        [dns.edns.EDEOption(dns.edns.EDECode.STALE_ANSWER)],
+        [dns.edns.NSIDOption(b"x")],
+    ):
+        m = response("web.test.", "A", "10.9.9.9", ttl=30)
+        m.authority.append(dns.rrset.from_text("test.", 100, "IN", "NS", "ns.test."))
+        m.additional.append(dns.rrset.from_text("ns.test.", 200, "IN", "A", "10.0.0.53"))
+        if opt is not None:
+            m.use_edns(0, 0, 4096, options=opt)
+        m.flags |= dns.flags.TC  # cleared in what we relay (a TCP answer is complete)
+        out.append(m)
+    nx = response("nope.test.", "A", rcode=dns.rcode.NXDOMAIN)
+    nx.authority.append(dns.rrset.from_text("test.", 300, "IN", "SOA", "ns. host. 1 2 3 4 15"))
+    out.append(nx)
+    return out
+
+
+def test_render_raw_relays_what_render_does() -> None:
+    # The upstream's bytes relayed (no re-rendering) must read exactly like dnspython's render.
+    for m in _cases():
+        raw = m.to_wire()
+        parsed = dns.message.from_wire(raw)
+        for do in (False, True):
+            a, b = fw.render_raw(parsed, raw, do), fw.render(parsed, do)
+            assert a.failed == b.failed
+            for edns in (True, False):
+                r = req_of("web.test" if m.answer else "nope.test", use_edns=0 if edns else False)
+                x = dns.message.from_wire(fw.relay(r, a, 7, False))
+                y = dns.message.from_wire(fw.relay(r, b, 7, False))
+                assert x == y  # dnspython: same header, sections (and TTLs)
+                assert (x.edns, x.payload, x.options) == (y.edns, y.payload, y.options)
+                assert not x.flags & dns.flags.TC
