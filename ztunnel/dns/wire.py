@@ -263,9 +263,9 @@ def answer(
 
 
 def fit(req: Request, wire: bytes, udp: bool) -> bytes:
-    """A response that fits the client's UDP size: as is, or header + question (+ OPT) with TC
-    set, so the client retries over TCP."""
-    if not udp or len(wire) <= req.udp_limit:
+    """A response that fits the client's UDP size (or a TCP message): as is, or header +
+    question (+ OPT) with TC set, so the client retries over TCP (or learns it was cut)."""
+    if len(wire) <= (req.udp_limit if udp else MAX_MESSAGE):
         return wire
     qid, flags = struct.unpack_from("!HH", wire)
     opt = _opt(req.edns)

@@ -184,6 +184,9 @@ def test_truncation_for_udp() -> None:
     cut = dns.message.from_wire(wire.fit(r, full, udp=True))
     assert cut.flags & dns.flags.TC and not cut.answer and len(cut.question) == 1
     assert wire.fit(r, full, udp=False) == full
+    huge = [parse_ip(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}") for i in range(5000)]
+    cut_tcp = dns.message.from_wire(wire.fit(r, wire.answer(r, huge), udp=False))
+    assert cut_tcp.flags & dns.flags.TC  # > 65535 bytes cannot be one TCP message
     big = req(q("big.test", "A", use_edns=0, payload=4096))
     assert wire.fit(big, wire.answer(big, many), udp=True) == wire.answer(big, many)
 
