@@ -613,14 +613,14 @@ services:
 
 def test_dns_bind_failure_keeps_the_pod_pending_and_not_ready(bed: Bed) -> None:
     # The DNS listeners are bound with the pod's others: if 15053 is taken (no SO_REUSEPORT),
-    # the pod is NACKed, stays pending (readiness 503) and is retried until it binds.
+    # the pod is NACKed, stays pending (readiness 500) and is retried until it binds.
     c6 = bed.tb.nodes[0].add_pod("c6")
     squatter = socket_in(c6, socket.AF_INET, socket.SOCK_DGRAM)
     squatter.bind(("127.0.0.1", 15053))
     try:
         ex = bed.agent.add_pod("uid-c6", WorkloadInfo("c6", "ns1", "default"), c6)
         assert ex.nacked and ex.ack is not None and "15053" in ex.ack.error, ex
-        assert http_get(bed.tb.nodes[0], 15021, "/healthz/ready")[0] == 503
+        assert http_get(bed.tb.nodes[0], 15021, "/healthz/ready")[0] == 500  # Rust: 500
         assert not c6.run("ss", "-Hlnt", "sport = :15001").stdout.strip()  # none stay bound
     finally:
         squatter.close()
