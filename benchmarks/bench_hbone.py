@@ -15,8 +15,8 @@ share one local CA directory. Modes, measured side by side in the same run:
   mTLS 1.3 (same suite) -> plain over the same network path, no HTTP/2;
 * ``hbone-VARIANT`` (``--variant NAME``, repeatable; ``aes128`` and ``malloc`` unless ``--quick``): the
   same over an extra pod pair whose ztunnels get extra environment: ``aes128`` (``OPENSSL_CONF``
-  putting TLS_AES_128_GCM_SHA256 first), ``malloc`` (glibc malloc thresholds), and experiments that
-  monkeypatch the data path inside those ztunnels only (benchmarks/hbone_experiments/).
+  putting TLS_AES_128_GCM_SHA256 first) and ``malloc`` (glibc malloc thresholds), both on
+  unmodified product code.
 
 Measurements:
 
@@ -576,16 +576,11 @@ class Variant:
     about: str
 
 
-EXPERIMENTS_DIR = ROOT / "benchmarks" / "hbone_experiments"
 _MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(128 << 20),
     "MALLOC_TOP_PAD_": str(16 << 20),
 }
-
-
-def _patched(patches: str, **extra: str) -> dict[str, str]:
-    return {"ZT_BENCH_PATCH": patches, "PYTHONPATH": f"{ROOT}:{EXPERIMENTS_DIR}", **extra}
 
 
 VARIANTS: dict[str, Variant] = {
@@ -600,52 +595,6 @@ VARIANTS: dict[str, Variant] = {
             "malloc",
             dict(_MALLOC_ENV),
             "product code; glibc MALLOC_MMAP_THRESHOLD_=32M, TRIM_THRESHOLD_=128M, TOP_PAD_=16M",
-        ),
-        Variant(
-            "mallopt",
-            _patched("mallopt"),
-            "experiment: the same via ctypes mallopt() at start-up (what the product could do)",
-        ),
-        Variant(
-            "big-frames",
-            _patched("big_frames"),
-            "experiment: product path, DATA frames up to 1 MiB (send_frame_size) instead of 64 KiB",
-        ),
-        Variant(
-            "tx-inplace",
-            _patched("tx_inplace"),
-            "experiment: sender recv_into a reused buffer, one DATA frame per read, header in "
-            "place, no b''.join",
-        ),
-        Variant(
-            "rx-sendmsg",
-            _patched("rx_sendmsg"),
-            "experiment: receiver sends a batch of DATA with one sendmsg",
-        ),
-        Variant(
-            "sslsocket",
-            _patched("sslsocket"),
-            "experiment: TLS on a non-blocking SSLSocket (socket BIO) instead of SSLObject + "
-            "MemoryBIOs",
-        ),
-        Variant(
-            "sslsocket-combo",
-            _patched("mallopt,tx_inplace,sslsocket"),
-            "experiment: sslsocket + tx-inplace + mallopt",
-        ),
-        Variant(
-            "small-bufs",
-            {
-                "ZT_BENCH_TUNE": "transport:_RECV_SIZE=65536;transport:_PLAIN_SIZE=131072",
-                "PYTHONPATH": f"{ROOT}:{EXPERIMENTS_DIR}",
-            },
-            "experiment: HBONE recv 64 KiB / plaintext buffer 128 KiB (L2-sized) instead of "
-            "256 KiB / 512 KiB",
-        ),
-        Variant(
-            "combo",
-            _patched("mallopt,tx_inplace", OPENSSL_CONF="@AES128_CNF@"),
-            "experiment: mallopt + tx-inplace + AES-128 first",
         ),
     )
 }
@@ -842,9 +791,7 @@ _CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("event loop (uvloop / libuv)", re.compile(r"\((loop\.c|core\.c|linux\.c|uv-common\.c)\)")),
 ]
 _IDLE = re.compile(r"^epoll_p?wait ")
-_DATA_PATH = re.compile(
-    r"^((StreamBridge|HboneConnection|H2Connection)\.\w+ |\w+\.<locals>\.\w+ \(hbone_patches)"
-)
+_DATA_PATH = re.compile(r"^(StreamBridge|HboneConnection|H2Connection)\.\w+ ")
 
 
 def summarize_pyspy(raw_path: Path) -> dict[str, Any]:

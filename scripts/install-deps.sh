@@ -5,10 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # iptables/iproute2 (ip, ss): the netns test bed; nodejs: the HBONE interop tests (Node's http2);
-# haproxy, iperf3, stunnel4: the benchmarks' peers and load.
+# haproxy, iperf3, stunnel4: the benchmarks' peers and load; golang-go: the Go stand-in for
+# istioctl's config_dump decoder (tests/golden/istioctl) and `go tool pprof` for the profiles.
+# tmux: a real terminal for `ztunnel top`.
 # bind9-dnsutils (dig), dnsmasq-base (the binary only: no service, never touches the host's
 # resolver), dnsperf: the DNS proxy's tests and benchmark.
-APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl
+APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl golang-go tmux
   bind9-dnsutils dnsmasq-base dnsperf)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from ztunnel import __version__
 from ztunnel.admin import AdminHandler, bind_admin
+from ztunnel.admin.admin import istio_version_from_env
 from ztunnel.admin.http import HttpServer
 from ztunnel.admin.logctl import LogControl
 from ztunnel.admin.readiness import Readiness, ReadinessHandler, ReadyToken
@@ -32,7 +33,7 @@ from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
 from ztunnel.inpod.client import ZdsClient
 from ztunnel.inpod.manager import InPodManager
-from ztunnel.metrics import Metrics
+from ztunnel.metrics import Metrics, export_certificate_expiry, export_xds
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import CompanionBuilder, ProxyInstance, instance_factory
 from ztunnel.state.authz import PolicyIndex
@@ -130,7 +131,14 @@ class App:
             self.pipes = PipePool()
         self.secrets = self._build_secrets()
         self.metrics = Metrics(
-            self.registry, inpod=cfg.proxy_mode is ProxyMode.SHARED, dns=cfg.dns_proxy
+            self.registry,
+            inpod=cfg.proxy_mode is ProxyMode.SHARED,
+            tag=istio_version_from_env(),
+            dns=cfg.dns_proxy,
+        )
+        export_xds(self.registry, lambda: self.xds.metrics if self.xds is not None else None)
+        export_certificate_expiry(
+            self.registry, lambda: self.secrets.statuses() if self.secrets is not None else ()
         )
         self.policies = PolicyIndex.from_state(self.state)
         self.state.subscribe(self._on_state_change)
@@ -290,8 +298,9 @@ class App:
                     explain=lambda q: explain_query(
                         self.state, q, policies=self.policies, network=cfg.network
                     ),
+                    live=lambda: [(i.name, i.ctx.tracker.live) for i in self._instances()],
                 )
-                self.servers.append(bind_admin(handler, port=cfg.admin_port))
+                self.servers.append(bind_admin(handler, port=cfg.admin_port, ipv6=cfg.ipv6_enabled))
         except OSError as e:
             for server in self.servers:
                 for sock in server.socks:
@@ -300,18 +309,32 @@ class App:
             raise StartupError(f"cannot bind the admin/stats/readiness servers: {e}") from None
 
     def _workload_state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for inst in self._instances():
-            out[inst.name] = {
-                "info": {
-                    "name": inst.info.name,
-                    "namespace": inst.info.namespace,
-                    "serviceAccount": inst.info.service_account,
-                },
-                "state": "Up",
-                "connections": inst.active_connections,
-            }
-        return out
+        """``workloadState``: in-pod, every pod the node agent handed over, keyed by its uid (as
+        Rust); dedicated mode (Rust has none) shows its one workload, keyed by its uid."""
+        from ztunnel.admin.config_dump import ProxyView, workload_state
+
+        views: list[ProxyView] = []
+        if self.inpod is not None:
+            for uid, pod in self.inpod.pods.items():
+                inst = pod.proxy
+                views.append(
+                    ProxyView(
+                        uid,
+                        pod.info.name,
+                        pod.info.namespace,
+                        pod.info.service_account,
+                        "Up" if inst is not None else "Pending",
+                        inst.ctx.tracker.live if inst is not None else None,
+                    )
+                )
+        elif (inst := self.dedicated) is not None:
+            wl = inst.workload()
+            key = wl.uid if wl is not None and wl.uid else inst.name
+            i = inst.info
+            views.append(
+                ProxyView(key, i.name, i.namespace, i.service_account, "Up", inst.ctx.tracker.live)
+            )
+        return workload_state(views)  # type: ignore[no-any-return]
 
     async def _quit(self) -> None:
         self.request_stop()

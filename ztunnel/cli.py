@@ -1,5 +1,7 @@
-"""Command line: ``ztunnel proxy ztunnel`` (what the Helm chart runs), ``ztunnel version``, and
-``ztunnel explain`` (offline authorization explain against a local config file).
+"""Command line: ``ztunnel proxy ztunnel`` (what the Helm chart runs; also what no command
+means, as in Rust), ``ztunnel version``, ``ztunnel help``, ``ztunnel explain`` (offline
+authorization explain against a local config file) and ``ztunnel top`` (a live view of a running
+ztunnel's connections, from its admin port; see :mod:`ztunnel.top`).
 
 ``ztunnel explain --config FILE --dst DST --port N [--src SRC] [--src-ip IP] [--json]`` loads a
 local config (the Rust YAML shape, as ``LOCAL_XDS_PATH``; default: ``$LOCAL_XDS_PATH``) and
@@ -62,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     ver = sub.add_parser("version", help="print version information")
     ver.add_argument("--json", action="store_true", help="print as JSON")
+    hp = sub.add_parser("help", help="print the commands and the version")
+    hp.add_argument("topic", nargs="?", help="a command to show the options of")
+    top = sub.add_parser(
+        "top",
+        help="live view of a running ztunnel's connections (admin port)",
+        description="A live view of a running ztunnel's connections, read from its admin port "
+        "(/debug/connections) every second: identities, age, bytes and rates, sorted and "
+        "filtered. --once prints one table and exits.",
+    )
+    from ztunnel.top import add_arguments as _top_arguments
+
+    _top_arguments(top)
     ex = sub.add_parser(
         "explain",
         help="explain the authorization decision for a connection (local config file)",
@@ -150,6 +164,7 @@ async def _run_proxy(config: Config) -> int:
             interrupts += 1
             if interrupts > 1:
                 log.warning("second interrupt: exiting now")
+                logging.shutdown()  # the buffered log lines first (logs.BatchingHandler)
                 os._exit(EXIT_FORCED)
         log.info("received %s, starting graceful drain", sig.name)
         app.request_stop()
@@ -178,8 +193,43 @@ def _log_runtime_stats(app: object) -> None:
     log.info("runtime stats", extra={"fields": app.runtime_stats()})
 
 
+def _help(topic: str | None) -> int:
+    """Rust ``help()``: the commands and the version; ``ztunnel help <command>``: its options."""
+    from ztunnel.admin.admin import build_info, istio_version_from_env
+
+    parser = _parser()
+    if topic:
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        if topic not in subs.choices:
+            print(f"unknown command: {topic}", file=sys.stderr)
+            return EXIT_FAILURE
+        subs.choices[topic].print_help()
+        return EXIT_OK
+    # Rust prints its BuildInfo's Display: version.BuildInfo{Version:"..", ...}.
+    info = build_info(istio_version_from_env())
+    fields = ", ".join(f'{k[0].upper()}{k[1:]}:"{v}"' for k, v in info.items() if k != "gitTag")
+    print(
+        f"\nIstio Ztunnel (version.BuildInfo{{{fields}}})\n\n"
+        "Commands:\n"
+        "proxy (default) - Start the ztunnel proxy\n"
+        "version         - Print the version of ztunnel\n"
+        "help            - Print commands and version of ztunnel\n"
+        "explain         - Explain the authorization decision for a connection (local config)\n"
+        "top             - Live view of a running ztunnel's connections (admin port)"
+    )
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command is None:  # Rust: no command runs the proxy
+        args = _parser().parse_args(["proxy"])
+    if args.command == "help":
+        return _help(args.topic)
+    if args.command == "top":
+        from ztunnel import top
+
+        return top.main(args)
     if args.command == "version":
         info = version_info()
         if args.json:

@@ -19,7 +19,7 @@ import asyncio
 import enum
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -56,6 +56,8 @@ __all__ = [
     "encode",
     "encode_chunks",
     "encode_chunks_async",
+    "export_certificate_expiry",
+    "export_xds",
     "flag_for",
     "reporter_for_direction",
     "traffic_labels",
@@ -517,6 +519,133 @@ class InpodMetrics:
             "counter",
             registry=registry,
         ).labels()
+
+
+class _Sourced(Family):
+    """A family whose values are copied from ``source`` (label tuple -> value) when scraped:
+    the counting stays a plain dict increment where it happens, and the exporter costs nothing
+    until someone scrapes. Series never disappear once seen (counters), unless ``replace``
+    (gauges of a current set, e.g. one per live certificate)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        kind: Literal["counter", "gauge"],
+        labelnames: Sequence[str],
+        source: Callable[[], Iterable[tuple[tuple[str, ...], int | float]]],
+        *,
+        registry: CollectorRegistry,
+        replace: bool = False,
+    ) -> None:
+        super().__init__(name, documentation, kind, labelnames, registry=registry)
+        self._source = source
+        self._replace = replace
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            values = list(self._source())
+        except Exception:  # a scrape never fails because one source did
+            values = []
+        if self._replace:
+            with self._lock:
+                self._cells.clear()
+        for key, value in values:
+            self.labels(*key).set(value)
+        yield from super().collect()
+
+
+class XdsCounts(Protocol):
+    """``ztunnel.xds.client.XdsMetrics``: plain counters kept by the ADS client."""
+
+    @property
+    def connection_terminations(self) -> dict[str, int]: ...
+    @property
+    def messages(self) -> dict[str, int]: ...
+    @property
+    def message_bytes(self) -> dict[str, int]: ...
+
+
+class CertificateLike(Protocol):
+    """``ztunnel.identity.manager.CertificateStatus`` (only ``Available`` ones are exported)."""
+
+    @property
+    def identity(self) -> Identity: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def certificate(self) -> object | None: ...
+
+
+def export_xds(registry: CollectorRegistry, counts: Callable[[], XdsCounts | None]) -> None:
+    """The xDS client's counters, named and labelled as istio/ztunnel ``src/xds/metrics.rs``:
+    ``istio_xds_connection_terminations_total{reason}`` (ConnectionError, Error, Reconnect,
+    Complete), ``istio_xds_message_total{url}`` and ``istio_xds_message_bytes_total{url}`` (the
+    resources' bytes of each response, by type URL)."""
+
+    def items(pick: Callable[[XdsCounts], dict[str, int]]) -> list[tuple[tuple[str], int]]:
+        c = counts()
+        return [] if c is None else [((k,), v) for k, v in sorted(pick(c).copy().items())]
+
+    _Sourced(
+        "istio_xds_connection_terminations",
+        "The total number of completed connections to xds server (unstable)",
+        "counter",
+        ("reason",),
+        lambda: items(lambda c: c.connection_terminations),
+        registry=registry,
+    )
+    _Sourced(
+        "istio_xds_message",
+        "Total number of messages received (unstable)",
+        "counter",
+        ("url",),
+        lambda: items(lambda c: c.messages),
+        registry=registry,
+    )
+    _Sourced(
+        "istio_xds_message_bytes",
+        "Total number of bytes received (unstable)",
+        "counter",
+        ("url",),
+        lambda: items(lambda c: c.message_bytes),
+        registry=registry,
+    )
+
+
+CERT_EXPIRY_METRIC = "istio_workload_cert_expiry_seconds"
+
+
+def export_certificate_expiry(
+    registry: CollectorRegistry,
+    statuses: Callable[[], Iterable[CertificateLike]],
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """Beyond Rust (istio/ztunnel#1748): ``istio_workload_cert_expiry_seconds{identity}``, the
+    seconds until each available workload certificate (the leaf) expires, computed when
+    scraped; an identity no longer managed disappears. (The sidecar's counterpart is
+    ``istio_agent_cert_expiry_seconds``.)"""
+
+    def values() -> list[tuple[tuple[str], float]]:
+        now = clock()
+        out = []
+        for st in statuses():
+            cert = st.certificate
+            if st.state != "Available" or cert is None:
+                continue
+            not_after = cert.leaf.not_valid_after_utc.timestamp()  # type: ignore[attr-defined]
+            out.append(((str(st.identity),), round(not_after - now, 3)))
+        return out
+
+    _Sourced(
+        CERT_EXPIRY_METRIC,
+        "Seconds until the workload certificate of this identity expires (unstable).",
+        "gauge",
+        ("identity",),
+        values,
+        registry=registry,
+        replace=True,
+    )
 
 
 class Metrics:

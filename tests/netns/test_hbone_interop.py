@@ -215,7 +215,7 @@ def test_node_client_gets_ztunnel_status_codes(bed: Bed) -> None:
     with no_leaks(bed.m.ztb):
         assert node_client(bed, b.ip4, f"{b.ip4}:9999", send=0)["status"] == 503
         assert node_client(bed, b.ip4, f"{bed.m.a.ip4}:9999", send=0)["status"] == 400
-        assert node_client(bed, b.ip4, f"{b.ip4}:15008", send=0)["status"] == 400
+        assert node_client(bed, b.ip4, f"{b.ip4}:15008", send=0)["status"] == 503
 
 
 # --- ztunnel -> node server ------------------------------------------------------------------

@@ -273,23 +273,39 @@ def test_bad_authority_is_400(bed: Bed, authority: str | None) -> None:
 
 
 def test_authority_ip_mismatch_is_400(bed: Bed) -> None:
-    """The authority names pod a while the connection arrived at pod b."""
+    """The authority names pod a while the connection arrived at pod b: Rust
+    validate_destination's IPMismatch, an early denial ("connection failed")."""
     since = mark(bed.m.ztb)
     with no_leaks(bed.m.ztb), bed.client() as c:
         sid = c.request(f"{bed.m.a.ip4}:{ECHO}")
         assert c.response(sid) == 400
-    rec = wait_log(bed.m.ztb, since, "connection complete", "does not match")
+    rec = wait_log(bed.m.ztb, since, "connection failed", "ip mismatch")
     assert rec["direction"] == "inbound"
+    assert rec["error"] == f"ip mismatch: {bed.m.b.ip4} != {bed.m.a.ip4}"
+    assert rec["dst.addr"] == f"{bed.m.b.ip4}:15008"
+    assert_serves(bed)
+
+
+def test_ipv6_authority_on_ipv4_connection_is_400(bed: Bed) -> None:
+    """Pod b's own IPv6 address named on a connection that arrived at its IPv4 address: still
+    not the connection's IP (Rust compares with the connection's destination only). Before,
+    this was accepted and the app saw ztunnel's address as the source."""
+    since = mark(bed.m.ztb)
+    with no_leaks(bed.m.ztb), bed.client() as c:
+        sid = c.request(f"[{bed.m.b.ip6}]:{ECHO}")
+        assert c.response(sid) == 400
+    wait_log(bed.m.ztb, since, "connection failed", "ip mismatch")
     assert_serves(bed)
 
 
 @pytest.mark.parametrize("port", [15008, 15001, 15006])
-def test_connect_to_ztunnel_port_is_400(bed: Bed, port: int) -> None:
+def test_connect_to_ztunnel_port_is_503(bed: Bed, port: int) -> None:
+    """Rust find_inbound_upstream: a final port among ztunnel's own is SelfCall, 503."""
     since = mark(bed.m.ztb)
     with no_leaks(bed.m.ztb), bed.client() as c:
         sid = c.request(f"{bed.m.b.ip4}:{port}")
-        assert c.response(sid) == 400
-    wait_log(bed.m.ztb, since, "connection complete", "own port")
+        assert c.response(sid) == 503
+    wait_log(bed.m.ztb, since, "connection failed", "recursive call")
 
 
 def test_unknown_local_workload_is_503(bed: Bed) -> None:
@@ -303,7 +319,7 @@ def test_unknown_local_workload_is_503(bed: Bed) -> None:
         waited = time.monotonic() - t
         assert c.read_to_end(sid) == b""
     assert 4.5 <= waited < 8, waited
-    rec = wait_log(bed.ztd, since, "connection complete", "local workload")
+    rec = wait_log(bed.ztd, since, "connection failed", "local workload")
     assert rec["direction"] == "inbound"
 
 
@@ -314,6 +330,7 @@ def test_app_refuses_is_503(bed: Bed) -> None:
         sid = c.request(f"{b.ip4}:9999")
         assert c.response(sid) == 503
         assert c.streams[sid].ended or c.read_to_end(sid) == b""
+    with no_leaks(bed.m.ztb), bed.client(b.ip6) as c:
         sid = c.request(f"[{b.ip6}]:9999")
         assert c.response(sid) == 503
     rec = wait_log(bed.m.ztb, since, "connection complete", f"{b.ip4}:9999")

@@ -616,7 +616,12 @@ def test_metrics_hbone_via_service_exact_labels_and_values(obs: Obs) -> None:
 
 
 def ours(series: dict[SeriesKey, float]) -> dict[SeriesKey, float]:
-    return {k: v for k, v in series.items() if not k[0].startswith("process_")}
+    """What two scrapes agree on: not process_* nor the certificate expiry countdown."""
+    return {
+        k: v
+        for k, v in series.items()
+        if not k[0].startswith("process_") and k[0] != "istio_workload_cert_expiry_seconds"
+    }
 
 
 def _tag(series: dict[SeriesKey, float]) -> Labels:
@@ -818,8 +823,10 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
     wait_completed(o, since_a, since_b, echo_b)
     assert not [r for r in o.ztb.records[since_b:] if r.get("message") == "connection opened"]
 
-    # Switch the access log to debug at run time.
-    assert admin_logging(o.b, "", "GET") == "current log level is info\n"
+    # Switch the access log to debug at run time. (GET is 405 as in Rust; POST lists.)
+    r = http(o.b, "127.0.0.1", 15000, "/logging")
+    assert r.status == 405 and r.text.startswith("Invalid HTTP method\n"), r
+    assert admin_logging(o.b, "") == "current log level is info\n"
     assert admin_logging(o.b, "?level=access=debug") == "current log level is access=debug,info\n"
     o.ztb.wait_for(lambda r: str(r.get("message")).startswith("log level changed to"))
 
@@ -946,7 +953,7 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
     assert echo_roundtrip(o.a, b4, ECHO_PORT, b"two\n") == b"two\n"
     wait_completed(o, since_a, since_b, echo_b)
     assert not [r for r in o.ztb.records[since_b:] if r.get("message") == "connection opened"]
-    assert admin_logging(o.b, "", "GET") == "current log level is info\n"
+    assert admin_logging(o.b, "") == "current log level is info\n"
 
 
 # --------------------------------------------------------------------------------------------
@@ -965,9 +972,11 @@ def read_until_closed(s: socket.socket, timeout: float = 10.0) -> bytes:
 @pytest.mark.timeout(60)
 def test_admin_listens_on_localhost_only(obs: Obs) -> None:
     o = obs
-    r = http(o.b, "127.0.0.1", 15000, "/")
-    assert r.status == 200 and r.headers["content-type"].startswith("text/html"), r
-    assert "config_dump" in r.text
+    # Both loopbacks, as Rust's Address::Localhost binds them.
+    for lo in ("127.0.0.1", "::1"):
+        r = http(o.b, lo, 15000, "/")
+        assert r.status == 200 and r.headers["content-type"].startswith("text/html"), r
+        assert "config_dump" in r.text
     for ip in o.b.ips:  # the pod's own addresses, from inside the pod: nothing listens
         with pytest.raises(ConnectionRefusedError):
             connect_from(o.b, ip, 15000).close()
@@ -1073,6 +1082,56 @@ def test_config_dump_of_a_live_ztunnel(obs: Obs) -> None:
     check_certificate(certs_b[B.principal], B.principal)
 
 
+def test_config_dump_connections_in_dedicated_mode(obs: Obs) -> None:
+    """Rust has no workloadState in dedicated mode; we show the one workload (keyed by its uid)
+    with its live connections, in the shared-mode shape, and istioctl lists them."""
+    from tests.golden import istioctl, table
+    from tests.golden.istioctl_schema import decode
+
+    o = obs
+    with connect_from(o.a, o.b.ip4, ECHO_PORT, timeout=10) as s:
+        s.sendall(b"hi\n")
+        assert recv_exact(s, 3) == b"hi\n"
+        port = s.getsockname()[1]
+        body = http(o.a, "127.0.0.1", 15000, "/config_dump").body
+        body_b = http(o.b, "127.0.0.1", 15000, "/config_dump").body
+    state = json.loads(body)["workloadState"]
+    assert state == {
+        "cluster1//v1/Pod/default/a": {
+            "state": "Up",
+            "connections": {
+                "inbound": [],
+                "outbound": [
+                    {
+                        "src": f"{o.a.ip4}:{port}",
+                        "originalDst": f"{o.b.ip4}:{ECHO_PORT}",
+                        "actualDst": f"{o.b.ip4}:15008",
+                        "protocol": "HBONE",
+                    }
+                ],
+            },
+            "info": {"name": "a", "namespace": "default", "serviceAccount": "sa-a"},
+        }
+    }
+    [inbound] = json.loads(body_b)["workloadState"]["cluster1//v1/Pod/default/b"]["connections"][
+        "inbound"
+    ]
+    assert (inbound["actualDst"], inbound["protocol"]) == (f"{o.b.ip4}:{ECHO_PORT}", "HBONE")
+    decode(json.loads(body))
+    r = istioctl("connections", body)
+    assert r.returncode == 0, r.stderr
+    assert table(r.stdout)[1:] == [
+        [
+            "a.default",
+            "Outbound",
+            f"a.default:{port}",
+            "b.default:15008",
+            f"b.default:{ECHO_PORT}",
+            "HBONE",
+        ]
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # in-pod mode: readiness through a node agent outage, per-pod state in config_dump
 
@@ -1126,11 +1185,12 @@ def test_inpod_readiness_follows_the_node_agent_and_config_dump_shows_pods() -> 
             r = http(node, "127.0.0.1", 15000, "/config_dump")
             assert r.status == 200, r
             dump = json.loads(r.body)
+            # Rust src/inpod/admin.rs: keyed by the ZDS uid; connections in Rust's shape.
             assert dump["workloadState"] == {
-                "default/c1": {
+                "uid-c1": {
                     "info": {"name": "c1", "namespace": "default", "serviceAccount": "sa-c1"},
                     "state": "Up",
-                    "connections": 0,
+                    "connections": {"inbound": [], "outbound": []},
                 }
             }
             assert dump["config"]["proxyMode"] == "shared"

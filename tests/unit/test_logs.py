@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import logging
 import re
+import threading
 
 import pytest
 
+from ztunnel import logs
 from ztunnel.logs import JsonFormatter, PlainFormatter
 
 pytestmark = pytest.mark.timeout(30)
@@ -72,3 +76,97 @@ def test_log_fields_renders_as_logger_extra_fields() -> None:
             assert list(ja) == ["level", "scope", "message", "src.addr", "bytes_sent", "direction"]
         else:
             assert a.split("\t", 1)[1] == b.split("\t", 1)[1]
+
+
+# --- BatchingHandler -------------------------------------------------------------------------
+
+
+class _Stream(io.StringIO):
+    """Counts write calls: each is one syscall on a real stderr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, s: str) -> int:
+        self.writes += 1
+        return super().write(s)
+
+
+def _batching(stream: _Stream) -> logging.Logger:
+    h = logs.BatchingHandler(stream)
+    h.setFormatter(logging.Formatter("%(message)s"))
+    lg = logging.getLogger(f"test.batching.{id(stream)}")
+    lg.handlers[:] = [h]
+    lg.propagate = False
+    lg.setLevel(logging.INFO)
+    return lg
+
+
+async def test_batching_handler_writes_once_per_loop_iteration() -> None:
+    stream = _Stream()
+    lg = _batching(stream)
+    for i in range(5):
+        lg.info("line %d", i)
+    assert stream.getvalue() == ""  # nothing yet: the write comes at the next iteration
+    await asyncio.sleep(0)
+    assert stream.getvalue() == "".join(f"line {i}\n" for i in range(5))
+    assert stream.writes == 1
+    lg.info("next")
+    await asyncio.sleep(0)
+    assert stream.getvalue().endswith("line 4\nnext\n") and stream.writes == 2
+
+
+def test_batching_handler_writes_at_once_without_a_loop() -> None:
+    stream = _Stream()
+    lg = _batching(stream)
+    lg.info("no loop")
+    assert stream.getvalue() == "no loop\n"
+
+
+async def test_batching_handler_bounds_its_buffer() -> None:
+    stream = _Stream()
+    lg = _batching(stream)
+    lg.handlers[0].max_buffer = 100  # type: ignore[attr-defined]
+    for _ in range(30):
+        lg.info("x" * 9)  # 10 characters a line with its newline
+    assert stream.writes == 3  # every 10 lines (100 characters), not once per line
+    assert stream.getvalue() == ("x" * 9 + "\n") * 30
+    await asyncio.sleep(0)
+    assert stream.writes == 3  # nothing left over
+
+
+async def test_batching_handler_flushes_on_shutdown_and_from_threads() -> None:
+    stream = _Stream()
+    lg = _batching(stream)
+    lg.info("pending")
+    t = threading.Thread(target=lg.info, args=("from a thread",))
+    t.start()
+    t.join()
+    # the thread has no loop: its line is written at once, after what was pending
+    assert stream.getvalue() == "pending\nfrom a thread\n"
+    lg.info("last")
+    lg.handlers[0].close()  # what logging.shutdown does at exit
+    assert stream.getvalue() == "pending\nfrom a thread\nlast\n"
+
+
+async def test_batching_handler_writes_are_pipe_atomic() -> None:
+    """Whole lines, at most PIPE_BUF characters per write: several processes can share one
+    stderr pipe without tearing each other's lines."""
+    stream = _Stream()
+    lg = _batching(stream)
+    lg.handlers[0].max_buffer = 1 << 20  # type: ignore[attr-defined]
+    sizes: list[int] = []
+    original = stream.write
+
+    def write(s: str) -> int:
+        sizes.append(len(s))
+        assert s.endswith("\n")
+        return original(s)
+
+    stream.write = write  # type: ignore[method-assign]
+    for i in range(1000):
+        lg.info("%04d %s", i, "y" * 95)  # 100 characters a line
+    await asyncio.sleep(0)
+    assert max(sizes) <= logs.PIPE_BUF and sum(sizes) == 101 * 1000
+    assert stream.getvalue().splitlines()[999] == "0999 " + "y" * 95

@@ -15,11 +15,14 @@ from __future__ import annotations
 import base64
 import datetime as dt
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from ztunnel.core.addr import SocketAddr
+from ztunnel.core.identity import Identity
 from ztunnel.identity.certs import WorkloadCertificate
 from ztunnel.identity.manager import CertificateStatus
 from ztunnel.state.model import (
@@ -339,4 +342,95 @@ def config_dump(
     out["certificates"] = certificates(certificates_)
     for key, provider in (extra or {}).items():
         out[key] = provider()
+    return out
+
+
+# --- per-workload state and live connections --------------------------------------------------
+
+
+class ConnectionView(Protocol):
+    """What the dump reads from a live ``ztunnel.proxy.context.ConnectionRecord``."""
+
+    @property
+    def direction(self) -> str: ...
+    @property
+    def src(self) -> SocketAddr: ...
+    @property
+    def dst(self) -> SocketAddr: ...
+    @property
+    def orig_dst(self) -> SocketAddr | None: ...
+    @property
+    def for_host(self) -> str | None: ...
+    @property
+    def mtls(self) -> bool: ...
+    @property
+    def double_hbone(self) -> bool: ...
+    @property
+    def src_identity(self) -> Identity | None: ...
+
+
+def _addr_key(a: SocketAddr) -> tuple[int, int, int]:
+    # Rust's SocketAddr order: every V4 before every V6, then address, then port.
+    return (a.ip.version, int(a.ip), a.port)
+
+
+def connections(live: Iterable[ConnectionView]) -> JSON:
+    """One proxy's live connections in Rust's shape (``ConnectionManager``'s serialization,
+    istio/ztunnel ``src/proxy/connection_manager.rs``): ``inbound`` entries are ``{src,
+    originalDst, actualDst, protocol}`` with ``originalDst`` the ``Forwarded`` host the client
+    named (else null), ``actualDst`` the upstream dialled and ``protocol`` ``HBONE`` when the
+    peer had an identity, else ``TCP``; ``outbound`` entries are ``{src, originalDst, actualDst,
+    protocol}`` with the captured destination, the next hop (``ip:15008`` for HBONE) and
+    ``TCP``, ``HBONE`` or ``DOUBLEHBONE``. Sorted, as Rust's ordered outbound set is (its
+    inbound map is not, so any order is Rust's)."""
+    inbound: list[tuple[SocketAddr, str, SocketAddr, str | None]] = []
+    outbound: list[tuple[SocketAddr, SocketAddr, SocketAddr, str]] = []
+    for rec in live:
+        if rec.direction == "outbound":
+            proto = "DOUBLEHBONE" if rec.double_hbone else "HBONE" if rec.mtls else "TCP"
+            outbound.append((rec.src, rec.orig_dst or rec.dst, rec.dst, proto))
+        else:
+            proto = "HBONE" if rec.src_identity is not None else "TCP"
+            inbound.append((rec.src, proto, rec.dst, rec.for_host))
+    inbound.sort(key=lambda c: (_addr_key(c[0]), _addr_key(c[2]), c[1], c[3] or ""))
+    outbound.sort(key=lambda c: (_addr_key(c[0]), _addr_key(c[1]), _addr_key(c[2]), c[3]))
+    return {
+        "inbound": [
+            {"src": str(s), "originalDst": host, "actualDst": str(d), "protocol": p}
+            for s, p, d, host in inbound
+        ],
+        "outbound": [
+            {"src": str(s), "originalDst": str(o), "actualDst": str(d), "protocol": p}
+            for s, o, d, p in outbound
+        ],
+    }
+
+
+@dataclass(frozen=True)
+class ProxyView:
+    """One proxied workload for ``workloadState``: the key (in-pod: the pod uid from ZDS), the
+    workload info, ``Up`` or ``Pending``, and (when up) its live connections."""
+
+    key: str
+    name: str
+    namespace: str
+    service_account: str
+    state: str  # "Up" | "Pending"
+    live: Iterable[ConnectionView] | None = None
+
+
+def workload_state(proxies: Iterable[ProxyView]) -> JSON:
+    """``workloadState`` (istio/ztunnel ``src/inpod/admin.rs``, ``ProxyState``): ``{key: {state,
+    connections, info}}``; ``connections`` is omitted for a pending proxy (Rust: None)."""
+    out: dict[str, JSON] = {}
+    for p in sorted(proxies, key=lambda p: p.key):
+        entry: dict[str, JSON] = {"state": p.state}
+        if p.live is not None:
+            entry["connections"] = connections(p.live)
+        entry["info"] = {
+            "name": p.name,
+            "namespace": p.namespace,
+            "serviceAccount": p.service_account,
+        }
+        out[p.key] = entry
     return out

@@ -85,3 +85,15 @@ class SocketAddr:
         host, port = sa[0], sa[1]
         assert isinstance(host, str) and isinstance(port, int)
         return cls(parse_ip(host.split("%", 1)[0]), port)
+
+
+@dataclass(frozen=True, slots=True)
+class HostnameAuthority:
+    """An HBONE CONNECT to ``<service hostname>:<service port>`` rather than to an address (Rust
+    ``HboneAddress::SvcHostname``). ``str()`` is the authority form."""
+
+    hostname: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.hostname}:{self.port}"

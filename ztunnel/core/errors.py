@@ -45,6 +45,26 @@ class UnsupportedRoute(ProxyError):
     pass
 
 
+class UnknownWaypoint(ProxyError):
+    """A service's or workload's waypoint is not in state, or has no usable endpoint (Rust
+    ``Error::UnknownWaypoint``, from ``fetch_waypoint``)."""
+
+    def __init__(self, waypoint: str) -> None:
+        super().__init__(f"unknown waypoint: waypoint {waypoint} not found")
+
+
+class NoValidDestination(ProxyError):
+    """Rust ``Error::NoValidDestination``: nowhere to send a connection to this workload."""
+
+
+class UnknownNetworkGateway(ProxyError):
+    """A remote workload's network gateway is not in state (Rust ``Error::UnknownNetworkGateway``,
+    from ``fetch_network_gateway``)."""
+
+    def __init__(self, gateway: str) -> None:
+        super().__init__(f"unknown network gateway: network gateway {gateway} not found")
+
+
 class UpstreamConnectError(ProxyError):
     flag = ResponseFlag.CONNECT
     status = 503

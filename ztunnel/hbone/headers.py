@@ -12,6 +12,8 @@ from ztunnel.state.model import Workload, WorkloadType
 BAGGAGE = "baggage"
 FORWARDED = "forwarded"
 TRACEPARENT = "traceparent"
+# The origin network on the inner CONNECT of double HBONE (Rust X_FORWARDED_NETWORK_HEADER).
+X_FORWARDED_NETWORK = "x-forwarded-network"
 
 _TYPE_KEYS = {
     WorkloadType.DEPLOYMENT: "deployment",

@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
 from ztunnel.config import Config
-from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.logs import log_fields
@@ -63,7 +63,11 @@ class ConnectionRecord:
     direction: str  # "outbound" | "inbound"
     src: SocketAddr
     dst: SocketAddr  # the address actually dialled
-    hbone_addr: SocketAddr | None = None
+    hbone_addr: SocketAddr | HostnameAuthority | None = None
+    # Outbound: the captured (original) destination when it differs from ``dst`` (a service VIP,
+    # a pod's port before HBONE's 15008), for /config_dump's ``originalDst``.
+    orig_dst: SocketAddr | None = None
+    double_hbone: bool = False  # outbound through a network gateway (Rust OutboundProtocol)
     src_workload: Workload | None = None
     dst_workload: Workload | None = None
     dst_service: Service | None = None
@@ -82,6 +86,9 @@ class ConnectionRecord:
     mtls: bool = False  # set by ProxyContext.open_metrics
     # Inbound, source workload unknown: (canonical service, namespace) from the peer's baggage.
     src_derived: tuple[str, str] | None = None
+    # Inbound: the host the client named in ``Forwarded: host=`` (Rust's ``for_host``), for
+    # /config_dump's ``originalDst``.
+    for_host: str | None = None
     _done: bool = False
 
     def live_bytes(self) -> tuple[int, int]:
@@ -112,8 +119,11 @@ class ConnectionRecord:
         if self.src_identity is not None:
             out["src.identity"] = str(self.src_identity)
         out["dst.addr"] = _addr_text(self.dst)
-        if self.hbone_addr is not None:
-            out["dst.hbone_addr"] = _addr_text(self.hbone_addr)
+        hbone_addr = self.hbone_addr
+        if hbone_addr is not None:
+            out["dst.hbone_addr"] = (
+                _addr_text(hbone_addr) if isinstance(hbone_addr, SocketAddr) else str(hbone_addr)
+            )
         if self.dst_service is not None:
             out["dst.service"] = self.dst_service.hostname
         if self.dst_workload is not None:
@@ -252,6 +262,7 @@ class ProxyContext:
         (inbound: the destination service guessed as Rust does, the baggage fallbacks), log
         "connection opened" and count it."""
         rec.mtls = mtls
+        rec.for_host = for_host
         if rec.direction == "inbound" and rec.dst_service is None and rec.dst_workload is not None:
             rec.dst_service = guess_inbound_service(
                 self.state, rec.dst_workload, rec.dst.port, for_host
@@ -338,7 +349,9 @@ def guess_inbound_service(
     return None
 
 
-def log_failed(direction: str, src: SocketAddr, dst: SocketAddr, error: BaseException) -> None:
+def log_failed(
+    direction: str, src: SocketAddr, dst: SocketAddr, error: BaseException | str
+) -> None:
     """An early denial, before any upstream was chosen."""
     access_log.warning(
         "connection failed",

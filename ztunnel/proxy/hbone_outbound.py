@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import socket
 import ssl
 from dataclasses import dataclass
 
@@ -17,7 +20,7 @@ from ztunnel.core.errors import (
 )
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import request_headers
+from ztunnel.hbone.headers import X_FORWARDED_NETWORK, request_headers
 from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
@@ -26,8 +29,9 @@ from ztunnel.identity.tls import (
     client_context,
     verify_server_identity,
 )
+from ztunnel.net.copy import CopyCounters
 from ztunnel.proxy.context import ConnectionRecord
-from ztunnel.proxy.route import Route
+from ztunnel.proxy.route import Route, RouteKind
 from ztunnel.proxy.sockets import SocketFactory
 
 log = logging.getLogger("ztunnel.proxy.hbone")
@@ -104,7 +108,9 @@ class HboneConnector:
     ) -> None:
         self.config = config
         self.secrets = secrets
-        settings = HboneSettings.from_config(config)
+        self.settings = settings = HboneSettings.from_config(config)
+        # double HBONE: inner connection -> the task carrying its outer stream
+        self._carriers: dict[HboneConnection, asyncio.Task[None]] = {}
         self.pool = pool or ConnectionPool(
             lambda key: dial_hbone(sockets, secrets, settings, key),
             max_streams=config.pool_max_streams_per_connection,
@@ -119,7 +125,10 @@ class HboneConnector:
 
         On success the caller bridges the stream (``conn.bridge``: in its own frame, so that no
         extra coroutine frame stays alive for the whole connection), logs the outcome, and
-        calls :meth:`stream_done` in any case."""
+        calls :meth:`stream_done` in any case.
+
+        A DOUBLE_HBONE route gets an inner connection of its own, end to end with the
+        destination, carried by a stream of the pooled connection to the network gateway."""
         source = rec.src_workload
         if source is None:
             rec.log_complete("unknown source workload: cannot pick a certificate for HBONE")
@@ -134,40 +143,142 @@ class HboneConnector:
         except (ProxyError, CertificateError) as e:
             rec.log_complete(e)
             return None
+        headers = self._headers(route, rec)
         try:
-            headers = request_headers(
-                source,
-                rec.src,
-                cluster_id=self.config.cluster_id,
-                service_hostname=route.destination_service.hostname
-                if route.destination_service
-                else None,
-            )
-            try:
-                sid, resp = await conn.open_stream(str(route.authority), headers, reserved=True)
-            except (HboneError, h2.ProtocolError) as e:
-                rec.log_complete(H2Failure(f"CONNECT to {route.authority} failed: {e}"))
-                self.pool.stream_done(conn)
-                return None
-            rec.dst_identity = _peer(conn)
-            if resp.status != 200:
-                rec.log_complete(
-                    f"HBONE CONNECT to {route.authority} failed with status {resp.status}"
-                )
-                conn.abandon(sid)
-                if conn.h2.stream_is_open(sid):
-                    conn.h2.reset_stream(sid, h2.ErrorCode.CANCEL)
-                    conn.flush()
+            sid = await self._connect(conn, route, headers, rec, reserved=True)
+            if sid is None:
                 self.pool.stream_done(conn)
                 return None
         except BaseException:
             self.pool.stream_done(conn)
             raise
-        return conn, sid
+        if route.kind is not RouteKind.DOUBLE_HBONE:
+            rec.dst_identity = _peer(conn)
+            return conn, sid
+        return await self._open_inner(conn, sid, route, rec, headers)
+
+    def _headers(self, route: Route, rec: ConnectionRecord) -> list[tuple[str, str]]:
+        return request_headers(
+            rec.src_workload,
+            rec.src,
+            cluster_id=self.config.cluster_id,
+            service_hostname=route.destination_service.hostname
+            if route.destination_service
+            else None,
+        )
+
+    async def _connect(
+        self,
+        conn: HboneConnection,
+        route: Route,
+        headers: list[tuple[str, str]],
+        rec: ConnectionRecord,
+        *,
+        reserved: bool = False,
+    ) -> int | None:
+        """Send the CONNECT on ``conn``: the stream id once the peer answered 200, else None
+        (logged as the connection's outcome, the stream reset or abandoned)."""
+        try:
+            sid, resp = await conn.open_stream(str(route.authority), headers, reserved=reserved)
+        except (HboneError, h2.ProtocolError) as e:
+            rec.log_complete(H2Failure(f"CONNECT to {route.authority} failed: {e}"))
+            return None
+        if resp.status != 200:
+            rec.log_complete(f"HBONE CONNECT to {route.authority} failed with status {resp.status}")
+            conn.abandon(sid)
+            if conn.h2.stream_is_open(sid):
+                conn.h2.reset_stream(sid, h2.ErrorCode.CANCEL)
+                conn.flush()
+            return None
+        return sid
+
+    async def _open_inner(
+        self,
+        outer: HboneConnection,
+        outer_sid: int,
+        route: Route,
+        rec: ConnectionRecord,
+        headers: list[tuple[str, str]],
+    ) -> tuple[HboneConnection, int] | None:
+        """Rust proxy_to_double_hbone: TLS with the final destination's identity and HTTP/2 over
+        the outer stream (not pooled: each connection may reach another remote workload), then
+        the same CONNECT again with ``x-forwarded-network``. The outer stream is bridged to one
+        end of a socket pair and the inner connection runs on the other, as on any socket."""
+        near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        near.setblocking(False)
+        far.setblocking(False)
+        carrier = asyncio.get_running_loop().create_task(self._carry(outer, outer_sid, far))
+        inner: HboneConnection | None = None
+        try:
+            assert rec.src_identity is not None
+            cert = await self.secrets.fetch_certificate(rec.src_identity)
+            try:
+                sslobj, inbio, outbio = await tls_handshake(
+                    near, client_context(cert), server_side=False
+                )
+                if sslobj.selected_alpn_protocol() != "h2":
+                    raise H2Failure(f"{route.authority} did not negotiate ALPN h2 (inner tunnel)")
+                verify_server_identity(
+                    sslobj.getpeercert(binary_form=True) or b"", route.final_identities
+                )
+            except TlsIdentityError as e:
+                raise IdentityError(
+                    f"{e} (inner tunnel; expected one of "
+                    f"{', '.join(map(str, route.final_identities))})"
+                ) from None
+            except (ssl.SSLError, OSError, HboneError, TimeoutError) as e:
+                raise TlsFailure(
+                    f"inner TLS handshake with {route.authority} failed: {e}"
+                ) from None
+            h2c = h2.H2Connection(
+                client=True,
+                initial_window_size=self.settings.stream_window,
+                connection_window_size=self.settings.connection_window,
+                max_frame_size=self.settings.frame_size,
+            )
+            inner = HboneConnection(near, sslobj, inbio, outbio, h2c)
+            inner_headers = [*headers, (X_FORWARDED_NETWORK, self.config.network)]
+            sid = await self._connect(inner, route, inner_headers, rec)
+            if sid is None:
+                inner.close()  # the carrier then sees EOF and ends the outer stream
+                return None
+        except (ProxyError, CertificateError) as e:
+            rec.log_complete(e)
+            _drop(inner, near)
+            return None
+        except BaseException:
+            _drop(inner, near)
+            raise
+        rec.dst_identity = _peer(inner)
+        self._carriers[inner] = carrier
+        return inner, sid
+
+    async def _carry(self, outer: HboneConnection, sid: int, sock: socket.socket) -> None:
+        """The outer stream of a double-HBONE connection, for as long as its inner one lives
+        (it ends when the inner connection closes its end of the pair)."""
+        try:
+            await outer.bridge(sid, sock, CopyCounters())
+        finally:
+            self.pool.stream_done(outer)
 
     def stream_done(self, conn: HboneConnection) -> None:
-        """A stream from :meth:`open_stream` is over: give its slot back to the pool."""
+        """A stream from :meth:`open_stream` is over: give its slot back to the pool (for
+        double HBONE: close the inner connection; its outer stream then ends by itself)."""
+        if self._carriers.pop(conn, None) is not None:
+            conn.close()
+            return
         self.pool.stream_done(conn)
+
+
+def _drop(inner: HboneConnection | None, near: socket.socket) -> None:
+    """Give up on an inner connection: closing our end of the pair ends the carrier's bridge
+    (EOF, then EPIPE), which ends the outer stream and returns its pool slot. The carrier is
+    not cancelled: a task cancelled before it first runs would skip its ``finally``."""
+    if inner is not None:
+        inner.close()
+    else:
+        with contextlib.suppress(OSError):
+            near.close()
 
 
 def _peer(conn: HboneConnection) -> Identity | None:

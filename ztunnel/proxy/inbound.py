@@ -13,22 +13,45 @@ import logging
 import socket
 import ssl
 
-from ztunnel.config import ILLEGAL_PORTS
-from ztunnel.core.addr import IPAddr, SocketAddr
+from ztunnel.config import HBONE_PORT, ILLEGAL_PORTS
+from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr, parse_ip
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import BAGGAGE, FORWARDED, baggage, forwarded_host, parse_baggage
+from ztunnel.hbone.headers import (
+    BAGGAGE,
+    FORWARDED,
+    X_FORWARDED_NETWORK,
+    baggage,
+    forwarded_host,
+    parse_baggage,
+)
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
-from ztunnel.proxy.context import UNKNOWN_LOCAL_WORKLOAD, ConnectionRecord, ProxyContext
+from ztunnel.proxy.context import (
+    UNKNOWN_LOCAL_WORKLOAD,
+    ConnectionRecord,
+    ProxyContext,
+    log_failed,
+)
 from ztunnel.proxy.hbone_outbound import HboneSettings
-from ztunnel.state.model import NetworkAddress, Workload
+from ztunnel.proxy.inbound_route import (
+    InboundTarget,
+    find_inbound_upstream,
+    localhost_tunnel,
+    parse_hbone_address,
+    proxy_v2_header,
+    validate_destination,
+)
+from ztunnel.state.model import AppTunnelProtocol, NetworkAddress, Workload
 
 log = logging.getLogger("ztunnel.proxy.inbound")
+
+_LOOPBACK4 = parse_ip("127.0.0.1")
+_LOOPBACK6 = parse_ip("::1")
 
 
 class InboundHbone:
@@ -115,14 +138,15 @@ class InboundHbone:
         # transient one, no closure, and the request event (its header list is most of its size)
         # is dropped once read.
         sid = ev.stream_id
-        rec = await self._admit(conn, ev, src, arrival, peer_id)
+        admitted = await self._admit(conn, ev, src, arrival, peer_id)
         del ev
-        if rec is None:
+        if admitted is None:
             return
+        rec, tunnel = admitted
         ctx = self.ctx
         with ctx.tracked(rec):
             try:
-                upstream = await ctx.sockets.connect(rec.dst, spoof_source=src.ip)
+                upstream = await self._connect_app(rec, tunnel)
             except ProxyError as e:
                 _reject(conn, sid, src, 503, e, rec)
                 return
@@ -132,6 +156,27 @@ class InboundHbone:
             rec.bytes_recv, rec.bytes_sent = bridge.h2_to_tcp, bridge.tcp_to_h2
             rec.log_complete(reportable(bridge.error))
 
+    async def _connect_app(self, rec: ConnectionRecord, target: InboundTarget) -> socket.socket:
+        """Rust serve_connect: connect to the app, from the client's IP unless
+        ``ENABLE_ORIG_SRC=false``; a PROXY application tunnel goes to loopback (with
+        ``LOCALHOST_APP_TUNNEL``) and starts with the PROXY v2 header."""
+        ctx = self.ctx
+        tunnel = target.tunnel
+        if localhost_tunnel(tunnel, ctx.config.localhost_app_tunnel):
+            loopback = _LOOPBACK4 if rec.dst.ip.version == 4 else _LOOPBACK6
+            upstream = await ctx.sockets.connect(SocketAddr(loopback, rec.dst.port))
+        else:
+            spoof = rec.src.ip if ctx.config.enable_orig_src is not False else None
+            upstream = await ctx.sockets.connect(rec.dst, spoof_source=spoof)
+        if tunnel is not None and tunnel.protocol is AppTunnelProtocol.PROXY:
+            header = proxy_v2_header(rec.src, tunnel.target, rec.src_identity)
+            try:
+                await asyncio.get_running_loop().sock_sendall(upstream, header)
+            except BaseException:
+                upstream.close()
+                raise
+        return upstream
+
     async def _admit(
         self,
         conn: HboneConnection,
@@ -139,9 +184,11 @@ class InboundHbone:
         src: SocketAddr,
         arrival: IPAddr,
         peer_id: Identity,
-    ) -> ConnectionRecord | None:
-        """Validate the CONNECT, open the connection's record and metrics, authorize it: the
-        record, or None once the stream was refused (and that logged)."""
+    ) -> tuple[ConnectionRecord, InboundTarget] | None:
+        """Rust build_inbound_request: validate the CONNECT and decide its upstream
+        (``inbound_route``); then open the connection's record and metrics and authorize it.
+        The record and where to connect, or None once the stream was refused (and that
+        logged: before a record exists as an early denial, as Rust's log_early_deny)."""
         ctx = self.ctx
         sid = ev.stream_id
         bad = h2.connect_request_error(ev)
@@ -150,20 +197,38 @@ class InboundHbone:
             return None
         assert ev.authority is not None
         try:
-            target = SocketAddr.parse(ev.authority)
-        except ValueError:
-            _reject(conn, sid, src, 400, f"invalid authority {ev.authority!r}")
+            target = parse_hbone_address(ev.authority)
+        except ValueError as e:
+            _reject(conn, sid, src, 400, e)
             return None
         local = await ctx.wait_local_workload()
+        if local is None:
+            _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, arrival=arrival)
+            return None
+        network = ctx.config.network
+        try:
+            validate_destination(ctx.state, network, arrival, local, target)
+            decided = find_inbound_upstream(
+                ctx.state, network, arrival, local, target, ILLEGAL_PORTS
+            )
+        except ProxyError as e:
+            _reject(conn, sid, src, e.status, e, arrival=arrival)
+            return None
+        # Rust build_inbound_request: a request that crossed a network gateway (the inner CONNECT
+        # of double HBONE names another origin network) comes from an address that means
+        # nothing here: the source is known only from its baggage.
+        origin = _header(ev.headers, X_FORWARDED_NETWORK)
+        from_gateway = origin is not None and origin.lower() != network.lower()
         rec = ConnectionRecord(
             "inbound",
             src,
-            target,
+            decided.upstream,
             hbone_addr=target,
-            src_workload=ctx.state.find_workload_by_addr(
-                NetworkAddress(ctx.config.network, src.ip)
-            ),
+            src_workload=None
+            if from_gateway
+            else ctx.state.find_workload_by_addr(NetworkAddress(network, src.ip)),
             dst_workload=local,
+            dst_service=decided.services[0] if isinstance(target, HostnameAuthority) else None,
             src_identity=peer_id,
             dst_identity=ctx.local_identity(),
             counters=CopyCounters(),
@@ -174,28 +239,12 @@ class InboundHbone:
             baggage=parse_baggage(_header(ev.headers, BAGGAGE)),
             for_host=forwarded_host(_header(ev.headers, FORWARDED)),
         )
-        if local is None:
-            _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, rec)
-            return None
-        if target.ip != arrival and target.ip not in local.addresses:
-            _reject(
-                conn,
-                sid,
-                src,
-                400,
-                f"authority IP {target.ip} does not match the destination {arrival}",
-                rec,
-            )
-            return None
-        if target.port in ILLEGAL_PORTS:
-            _reject(conn, sid, src, 400, f"call to ztunnel's own port refused: {target}", rec)
-            return None
         try:
             ctx.authorize(rec, local)
         except AuthorizationDenied as e:
             _reject(conn, sid, src, 401, e, rec)
             return None
-        return rec
+        return rec, decided
 
     def _response_headers(self, local: Workload | None) -> list[tuple[str, str]]:
         cfg = self.ctx.config
@@ -215,12 +264,17 @@ def _reject(
     status: int,
     why: str | BaseException,
     rec: ConnectionRecord | None = None,
+    *,
+    arrival: IPAddr | None = None,
 ) -> None:
-    """Refuse the stream with a headers-only response; log it (as the connection's outcome
-    once it has a record)."""
+    """Refuse the stream with a headers-only response; log it: as the connection's outcome once
+    it has a record, else as Rust's early denial ("connection failed", dst.addr the address the
+    connection arrived at) once the arrival address is known, else as a rejected request."""
     conn.respond(sid, status, [], end_stream=True)
     if rec is not None:
         rec.log_complete(why)
+    elif arrival is not None:
+        log_failed("inbound", src, SocketAddr(arrival, HBONE_PORT), why)
     else:
         log.warning(
             "inbound HBONE request rejected",

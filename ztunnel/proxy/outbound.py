@@ -33,19 +33,21 @@ class Outbound:
         except ProxyError as e:
             log_failed("outbound", src, dst, e)
             return
-        del dst  # the record keeps what it needs: this frame lives as long as the connection
-        hbone = route.kind is RouteKind.HBONE
+        hbone = route.kind is RouteKind.HBONE or route.kind is RouteKind.DOUBLE_HBONE
         rec = ConnectionRecord(
             "outbound",
             src,
             route.target,
             hbone_addr=route.authority,
+            orig_dst=None if dst == route.target else dst,
+            double_hbone=route.kind is RouteKind.DOUBLE_HBONE,
             src_workload=source,
             dst_workload=route.destination_workload,
             dst_service=route.destination_service,
             src_identity=source.identity if hbone and source is not None else None,
             counters=CopyCounters(),
         )
+        del dst  # the record keeps what it needs: this frame lives as long as the connection
         ctx.open_metrics(rec, mtls=hbone)
         with ctx.tracked(rec):
             if not hbone:

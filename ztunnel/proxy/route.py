@@ -12,8 +12,15 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from ztunnel.config import ILLEGAL_PORTS
-from ztunnel.core.addr import IPAddr, SocketAddr
-from ztunnel.core.errors import NoHealthyUpstream, SelfCallError, UnsupportedRoute
+from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr
+from ztunnel.core.errors import (
+    NoHealthyUpstream,
+    NoValidDestination,
+    SelfCallError,
+    UnknownNetworkGateway,
+    UnknownWaypoint,
+    UnsupportedRoute,
+)
 from ztunnel.core.identity import Identity
 from ztunnel.state.model import (
     GatewayAddress,
@@ -30,6 +37,9 @@ class RouteKind(enum.Enum):
     PASSTHROUGH = "passthrough"  # not in the mesh: plain TCP to the original destination
     DIRECT = "direct"  # a mesh workload that takes plain TCP (tunnel protocol NONE)
     HBONE = "hbone"  # mTLS + HTTP/2 CONNECT to <ip>:15008
+    # Another network: an inner HBONE tunnel to the destination inside an outer one to the
+    # network's gateway (Rust OutboundProtocol::DOUBLEHBONE).
+    DOUBLE_HBONE = "double-hbone"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +48,17 @@ class Route:
 
     kind: RouteKind
     target: SocketAddr  # the address actually dialled
-    authority: SocketAddr | None = None  # HBONE: the CONNECT :authority
+    authority: SocketAddr | HostnameAuthority | None = None  # HBONE: the CONNECT :authority
     expected_identities: tuple[Identity, ...] = ()  # HBONE: SANs the server may present
+    # DOUBLE_HBONE: the SANs the final destination may present in the inner tunnel (the outer
+    # one is the gateway's, in expected_identities)
+    final_identities: tuple[Identity, ...] = ()
     destination_workload: Workload | None = None
     destination_service: Service | None = None
     via_waypoint: bool = False
 
     def describe(self) -> str:
-        if self.kind is RouteKind.HBONE:
+        if self.kind is RouteKind.HBONE or self.kind is RouteKind.DOUBLE_HBONE:
             return f"hbone {self.target} authority={self.authority}"
         return f"{self.kind.value} {self.target}"
 
@@ -77,8 +90,11 @@ def decide_outbound(
     net_addr = NetworkAddress(network, dst.ip)
     svc = state.find_service_by_vip(net_addr)
     if svc is not None:
-        if svc.waypoint is not None and not _is_waypoint_of(source, svc.waypoint, state):
-            return _to_waypoint(state, svc.waypoint, dst, source, rng, service=svc)
+        # Rust build_request: a service-addressed connection goes to the service's waypoint
+        # whoever the source is (fetch_service_waypoint has no from-waypoint check).
+        gw = _service_waypoint(svc, rng)
+        if gw is not None:
+            return _to_waypoint(state, gw, dst, source, rng, service=svc)
         picked = state.load_balance(svc, dst.port, source, rng)
         if picked is None:
             mode = svc.load_balancing.mode if svc.load_balancing else LoadBalancerMode.UNSPECIFIED
@@ -86,12 +102,14 @@ def decide_outbound(
                 return Route(RouteKind.PASSTHROUGH, dst, destination_service=svc)
             raise NoHealthyUpstream(svc.hostname)
         endpoint, target_port = picked
+        if endpoint.network != network:
+            return _through_gateway(state, endpoint, svc, dst, source, rng, sans_of=svc)
         return _to_workload(endpoint, target_port, svc, network)
 
     wl = state.find_workload_by_addr(net_addr)
     if wl is not None:
         if wl.waypoint is not None and not _is_waypoint_of(source, wl.waypoint, state):
-            return _to_waypoint(state, wl.waypoint, dst, source, rng, workload=wl)
+            return _to_waypoint(state, wl.waypoint, dst, source, rng)
         return _to_workload(wl, dst.port, None, network, ip=dst.ip)
 
     return Route(RouteKind.PASSTHROUGH, dst)
@@ -142,17 +160,65 @@ def _service_sans(svc: Service | None) -> tuple[Identity, ...]:
     return tuple(out)
 
 
+def _service_waypoint(svc: Service, rng: random.Random | None) -> GatewayAddress | None:
+    """Rust ``fetch_service_waypoint``: one of the weighted waypoints, picked in proportion to
+    its weight (``sample_weighted_waypoint``), else the single ``waypoint``. A weighted set whose
+    weights are all zero cannot be sampled and falls back the same way."""
+    weighted = svc.weighted_waypoints
+    if weighted:
+        total = sum(max(w.weight, 0) for w in weighted)
+        if total > 0:
+            pick = (rng or random).uniform(0, total)
+            for w in weighted:
+                if w.weight <= 0:
+                    continue
+                pick -= w.weight
+                if pick < 0:
+                    return w.destination
+            return next(w.destination for w in reversed(weighted) if w.weight > 0)
+    return svc.waypoint
+
+
 def _resolve_gateway(
-    state: State, gw: GatewayAddress, source: Workload | None, rng: random.Random | None
-) -> tuple[Workload, Service | None]:
+    state: State,
+    gw: GatewayAddress,
+    dst: SocketAddr,
+    source: Workload | None,
+    rng: random.Random | None,
+    not_found: type[UnknownWaypoint] | type[UnknownNetworkGateway] = UnknownWaypoint,
+) -> tuple[Workload, Service | None, SocketAddr]:
+    """Rust ``fetch_waypoint`` (and, with ``not_found=UnknownNetworkGateway``,
+    ``fetch_network_gateway``, which load-balances a gateway service in standard mode): the
+    workload, the service it was picked from (for its SANs), and the address to dial: the HBONE
+    port of a workload, or the port a service maps ``hbone_mtls_port`` to on the endpoint
+    (``find_upstream_from_service``). A reference by IP is dialled in that IP's family; one by
+    hostname adapts to the original destination's."""
     found = state.find_gateway(gw)
+    family = gw.address.address.version if gw.address is not None else dst.ip.version
     if isinstance(found, Workload):
-        return found, None
-    if isinstance(found, Service):
-        picked = state.load_balance(found, gw.hbone_mtls_port, source, rng, for_waypoint=True)
+        if gw.address is not None and gw.address.address in found.addresses:
+            return found, None, SocketAddr(gw.address.address, gw.hbone_mtls_port)
+        ip = _ip_of_family(found, family)
+        if ip is not None:
+            return found, None, SocketAddr(ip, gw.hbone_mtls_port)
+    elif isinstance(found, Service):
+        picked = state.load_balance(
+            found, gw.hbone_mtls_port, source, rng, for_waypoint=not_found is UnknownWaypoint
+        )
         if picked is not None:
-            return picked[0], found
-    raise NoHealthyUpstream(f"waypoint {_gw_name(gw)}")
+            ip = _ip_of_family(picked[0], family)
+            if ip is not None:
+                return picked[0], found, SocketAddr(ip, picked[1])
+    raise not_found(_gw_name(gw))
+
+
+def _ip_of_family(wl: Workload, version: int) -> IPAddr | None:
+    """The workload's first IP of that family, else its first IP (Rust ``finalize_upstream``
+    prefers the requested family and falls back to what the workload has)."""
+    for ip in wl.addresses:
+        if ip.version == version:
+            return ip
+    return wl.addresses[0] if wl.addresses else None
 
 
 def _gw_name(gw: GatewayAddress) -> str:
@@ -181,15 +247,58 @@ def _to_waypoint(
     rng: random.Random | None,
     *,
     service: Service | None = None,
-    workload: Workload | None = None,
 ) -> Route:
-    wp, wp_svc = _resolve_gateway(state, gw, source, rng)
+    """Rust ``build_request`` for a waypoint: HBONE to the waypoint, CONNECT to the original
+    destination (VIP or workload address and the port the app dialled, not translated), the
+    waypoint's identity and its service's SANs expected. The destination workload (access log,
+    metrics) is the waypoint; the destination service the one addressed, if any."""
+    wp, wp_svc, target = _resolve_gateway(state, gw, dst, source, rng)
+    if source is not None and wp.network != source.network and service is not None:
+        # Rust: "picked a waypoint on remote network" -> through that network's gateway
+        return _through_gateway(state, wp, service, dst, source, rng, sans_of=wp_svc, waypoint=True)
     return Route(
         RouteKind.HBONE,
-        SocketAddr(_pick_ip(wp), gw.hbone_mtls_port),
+        target,
         authority=dst,
         expected_identities=(wp.identity, *_service_sans(wp_svc)),
-        destination_workload=workload,
+        destination_workload=wp,
         destination_service=service,
         via_waypoint=True,
+    )
+
+
+def _through_gateway(
+    state: State,
+    upstream: Workload,
+    service: Service,
+    dst: SocketAddr,
+    source: Workload | None,
+    rng: random.Random | None,
+    *,
+    sans_of: Service | None,
+    waypoint: bool = False,
+) -> Route:
+    """Rust ``build_request_through_gateway``: double HBONE to a workload (or waypoint) on
+    another network. The outer tunnel goes to the network gateway of ``upstream`` and is checked
+    against the gateway's identity; the inner one, end to end, against the SANs of the service
+    ``upstream`` was reached through (``upstream.service_sans()``; the workload's own identity
+    when the service lists none). Both CONNECTs name the service hostname and the port the app
+    dialled, whatever the waypoint. ``sans_of``: the service ``upstream`` was picked from."""
+    gw = upstream.network_gateway
+    if gw is None:
+        raise NoValidDestination(
+            f"no valid routing destination for workload: {upstream.uid} is on network "
+            f"{upstream.network!r} and has no network gateway"
+        )
+    gwl, gw_svc, target = _resolve_gateway(state, gw, dst, source, rng, UnknownNetworkGateway)
+    final = _service_sans(sans_of)
+    return Route(
+        RouteKind.DOUBLE_HBONE,
+        target,
+        authority=HostnameAuthority(service.hostname, dst.port),
+        expected_identities=(gwl.identity, *_service_sans(gw_svc)),
+        final_identities=final or (upstream.identity,),
+        destination_workload=gwl,
+        destination_service=service,
+        via_waypoint=waypoint,
     )

@@ -6,7 +6,13 @@ it prints ``READY <port> ...`` once every listener is bound, then serves until S
 * ``echo``: echoes bytes back; on client EOF, finishes writing and sends FIN. With
   ``--announce`` it first sends one line ``PEER <peer_ip> <peer_port> <local_ip> <local_port>``
   (IPs canonical: IPv4-mapped IPv6 shown as IPv4), so a test can assert the source IP the app saw.
+  With ``--proxy-protocol`` each connection must start with a PROXY protocol v2 header (an
+  application tunnel): it is parsed (as the spec's section 2.2 says, not with ztunnel's code) and
+  answered with one line ``PROXY <src> <dst> <TLV 0xD0 or ->`` before anything else; a
+  connection without a valid header gets ``BADPROXY <why>`` and is closed.
 * ``sink``: reads until EOF, then replies ``<count> <sha256>`` and closes (half-close test).
+* ``forward``: a plain TCP forwarder to ``--to <ip>:<port>`` with half-close kept (stands in
+  for a waypoint proxy in the sandbox: it picks the endpoint and sends the bytes on).
 * ``source``: sends ``--bytes`` bytes of ``payload(seed)`` then FIN, keeps reading until the
   client's EOF and prints ``RECEIVED <count> <sha256> <peer_ip>`` on its stdout.
 
@@ -147,7 +153,56 @@ async def _close(writer: asyncio.StreamWriter) -> None:
         await writer.wait_closed()
 
 
-async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, announce: bool) -> None:
+PROXY_V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
+
+
+async def read_proxy_v2(reader: asyncio.StreamReader) -> str:
+    """Read a PROXY protocol v2 header; the ``PROXY <src> <dst> <authority TLV>`` line for it.
+    Raises ValueError when the stream does not start with a valid one."""
+    head = await reader.readexactly(16)
+    if head[:12] != PROXY_V2_SIGNATURE:
+        raise ValueError("no PROXY v2 signature")
+    ver_cmd, fam, length = struct.unpack("!BBH", head[12:])
+    if ver_cmd != 0x21:
+        raise ValueError(f"version/command {ver_cmd:#x}, want 0x21 (v2, PROXY)")
+    body = await reader.readexactly(length)
+    if fam == 0x11:
+        src_raw, dst_raw, sport, dport = struct.unpack("!4s4sHH", body[:12])
+        rest = body[12:]
+    elif fam == 0x21:
+        src_raw, dst_raw, sport, dport = struct.unpack("!16s16sHH", body[:36])
+        rest = body[36:]
+    else:
+        raise ValueError(f"family/protocol {fam:#x}, want TCP over IPv4 or IPv6")
+    authority = "-"
+    while rest:
+        if len(rest) < 3:
+            raise ValueError("truncated TLV")
+        kind, n = struct.unpack("!BH", rest[:3])
+        value, rest = rest[3 : 3 + n], rest[3 + n :]
+        if len(value) != n:
+            raise ValueError("truncated TLV value")
+        if kind == 0xD0:
+            authority = value.decode()
+    src = canonical_ip(str(ipaddress.ip_address(src_raw)))
+    dst = canonical_ip(str(ipaddress.ip_address(dst_raw)))
+    return f"PROXY {src}:{sport} {dst}:{dport} {authority}"
+
+
+async def _echo(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    announce: bool,
+    proxy_protocol: bool = False,
+) -> None:
+    if proxy_protocol:
+        try:
+            line = await read_proxy_v2(reader)
+        except (ValueError, asyncio.IncompleteReadError) as e:
+            writer.write(f"BADPROXY {e}\n".encode())
+            await _close(writer)
+            return
+        writer.write(line.encode() + b"\n")
     try:
         if announce:
             writer.write(_peer_info(writer).line().encode() + b"\n")
@@ -160,6 +215,32 @@ async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, anno
     except OSError:
         pass
     finally:
+        await _close(writer)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except OSError:
+        pass
+
+
+async def _forward(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int
+) -> None:
+    try:
+        up_reader, up_writer = await asyncio.open_connection(host, port, limit=CHUNK)
+    except OSError:
+        await _close(writer)
+        return
+    try:
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+    finally:
+        await _close(up_writer)
         await _close(writer)
 
 
@@ -218,14 +299,22 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     if args.app == "echo":
         announce: bool = args.announce
+        proxy_protocol: bool = args.proxy_protocol
 
         async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            await _echo(r, w, announce)
+            await _echo(r, w, announce, proxy_protocol)
 
     elif args.app == "sink":
 
         async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             await _sink(r, w)
+
+    elif args.app == "forward":
+        to_host, _, to_port = str(args.to).rpartition(":")
+        to_host = to_host.strip("[]")
+
+        async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await _forward(r, w, to_host, int(to_port))
 
     else:
         nbytes: int = args.bytes
@@ -249,12 +338,19 @@ async def _serve(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
     sub = parser.add_subparsers(dest="app", required=True)
-    for name in ("echo", "sink", "source"):
+    for name in ("echo", "sink", "source", "forward"):
         p = sub.add_parser(name)
         p.add_argument("--port", type=int, action="append", help="repeatable; 0 = ephemeral")
         p.add_argument("--host", default="::", help="bind address (default: [::] dual-stack)")
         if name == "echo":
             p.add_argument("--announce", action="store_true", help="send a PEER line first")
+            p.add_argument(
+                "--proxy-protocol",
+                action="store_true",
+                help="expect a PROXY v2 header and answer a PROXY line first",
+            )
+        if name == "forward":
+            p.add_argument("--to", required=True, help="<ip>:<port> to forward to")
         if name == "source":
             p.add_argument("--bytes", type=int, default=1 << 20)
             p.add_argument("--seed", type=int, default=0)

@@ -21,7 +21,7 @@ import socket
 import ssl
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,10 +136,12 @@ def mesh(
     extra_pods: Sequence[PodSpec] = (),
     start_b: bool = True,
     external: bool = False,
+    config: Callable[[dict[str, Pod]], str] | None = None,
 ) -> Iterator[Mesh]:
     """Pods ``a`` (n1) and ``b`` (n2) with a ztunnel each (``start_b=False``: none in ``b``),
-    ``extra_pods``, and with ``external`` an external host ``ext``. Every ztunnel must exit
-    cleanly with no internal error at teardown."""
+    ``extra_pods``, and with ``external`` an external host ``ext``. ``config`` builds the local
+    config from the pods instead of :func:`mesh_config`. Every ztunnel must exit cleanly with no
+    internal error at teardown."""
     specs = [
         PodSpec("a", "n1", "sa-a", "default/a/sa-a"),
         PodSpec("b", "n2", "sa-b", "default/b/sa-b" if start_b else None),
@@ -156,7 +158,7 @@ def mesh(
             pods[spec.name] = pod
         ext = tb.add_external("ext") if external else None
         extra = [(pods[s.name], s.service_account) for s in extra_pods if s.service_account]
-        cfg = mesh_config(pods["a"], pods["b"], extra)
+        cfg = config(pods) if config is not None else mesh_config(pods["a"], pods["b"], extra)
         common = {
             "PROXY_MODE": "dedicated",
             "LOCAL_XDS": cfg,

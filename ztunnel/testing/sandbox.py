@@ -2,7 +2,8 @@
 
 Run as root: ``python -m ztunnel.testing.sandbox``. It builds node1 (pods ``sleep``, in the mesh,
 and ``legacy``, not in the mesh) and node2 (pod ``echo``, in the mesh, behind the service VIP
-10.96.0.10:80), plus a host outside the mesh. Each node runs one ztunnel in shared (in-pod) mode,
+10.96.0.10:80; pod ``waypoint``, the waypoint of service reviews at 10.96.0.11:80), plus a host
+outside the mesh. Each node runs one ztunnel in shared (in-pod) mode,
 fed over ZDS by a node agent (``ztunnel.testing.nodeagent``) that installs istio-cni's in-pod
 rules (with DNS capture) and hands over each mesh pod's network namespace. ztunnel uses the
 bundled config (``ztunnel/examples/sandbox.yaml``) and the local CA; its upstream resolver is a
@@ -44,7 +45,7 @@ def _exchange(label: str, src: Host, ip: str, port: int) -> None:
         reply = recv_line(s)
         s.shutdown(socket.SHUT_WR)
     ms = (time.monotonic() - t) * 1000
-    _say(f"  {label:<42} app saw client {peer[1]:<12} reply={reply!r} ({ms:.1f} ms)")
+    _say(f"  {label:<48} app saw client {peer[1]:<12} reply={reply!r} ({ms:.1f} ms)")
 
 
 def _lookup(label: str, src: Host, *cmd: str) -> str:
@@ -111,17 +112,23 @@ def run(loop: str) -> int:
         t0 = time.monotonic()
         node1, node2 = tb.add_node("node1"), tb.add_node("node2")
         sleep, legacy = node1.add_pod("sleep"), node1.add_pod("legacy", ambient=False)
-        echo = node2.add_pod("echo")
+        echo, waypoint = node2.add_pod("echo"), node2.add_pod("waypoint")
         ext = tb.add_external("outside")
-        for pod, want in ((sleep, "10.1.0.2"), (legacy, "10.1.0.3"), (echo, "10.2.0.2")):
+        for pod, want in (
+            (sleep, "10.1.0.2"),
+            (legacy, "10.1.0.3"),
+            (echo, "10.2.0.2"),
+            (waypoint, "10.2.0.3"),
+        ):
             if pod.ip4 != want:
                 raise SystemExit(
                     f"test bed gave {pod.name} {pod.ip4}, the bundled config expects {want}"
                 )
         _say(
             f"cluster: node1[sleep {sleep.ip4}, legacy {legacy.ip4} (not in mesh)], "
-            f"node2[echo {echo.ip4}], outside host {ext.ip4}; "
-            "service echo.default.svc.cluster.local = 10.96.0.10:80"
+            f"node2[echo {echo.ip4}, waypoint {waypoint.ip4}], outside host {ext.ip4}; "
+            "service echo.default.svc.cluster.local = 10.96.0.10:80, "
+            "reviews.default.svc.cluster.local = 10.96.0.11:80 (through the waypoint)"
         )
         # One ztunnel per node (shared/in-pod mode), fed by a node agent over ZDS that installs
         # istio-cni's rules in each mesh pod and hands over the pod's network namespace.
@@ -139,7 +146,7 @@ def run(loop: str) -> int:
             "nameserver 10.96.0.53\noptions ndots:5\n"
         )
         zts: dict[str, ZtunnelProcess] = {}
-        for node, pods in ((node1, [sleep]), (node2, [echo])):
+        for node, pods in ((node1, [sleep]), (node2, [echo, waypoint])):
             uds = os.path.join(tmp, f"{node.name}.sock")
             agent = stack.enter_context(FakeNodeAgent(uds, dns_capture=True))
             for pod in pods:
@@ -149,6 +156,9 @@ def run(loop: str) -> int:
             agent.wait_for_snapshot()
         start_app(echo, "echo", "--announce", ports=(8080,))
         start_app(ext, "echo", "--announce", ports=(9000,))
+        # The waypoint proxy's stand-in: it sends what it gets on to the echo pod (its own
+        # outbound, captured by its ztunnel like any mesh pod's).
+        start_app(waypoint, "forward", "--to", f"{echo.ip4}:8080", ports=(80,))
         _say(
             f"ready in {time.monotonic() - t0:.2f}s: one ztunnel per node (in-pod mode), "
             f"local CA in {tmp}/ca\n"
@@ -182,6 +192,7 @@ def run(loop: str) -> int:
         _exchange("sleep -> echo pod (HBONE)", sleep, echo.ip4, 8080)
         _exchange("sleep -> echo pod over IPv6 (HBONE)", sleep, echo.ip6, 8080)
         _exchange("sleep -> service VIP 10.96.0.10:80 (HBONE)", sleep, "10.96.0.10", 80)
+        _exchange("sleep -> reviews 10.96.0.11:80 via its waypoint", sleep, "10.96.0.11", 80)
         _exchange("sleep -> outside host (passthrough)", sleep, ext.ip4, 9000)
         _exchange("legacy (no mesh) -> echo (inbound plaintext)", legacy, echo.ip4, 8080)
 

@@ -431,7 +431,8 @@ class AdsClient:
         type_url = resp.type_url
         m = self.metrics
         _inc(m.messages, type_url)
-        _inc(m.message_bytes, type_url, resp.ByteSize())
+        # Rust's Recorder<DeltaDiscoveryResponse>: the resources' payload bytes, not the message's.
+        _inc(m.message_bytes, type_url, sum(len(r.resource.value) for r in resp.resources))
         log.debug(
             "xDS response %s: %d resources, %d removals (nonce %s)",
             type_url,

@@ -2,8 +2,15 @@
 // mTLS 1.3 (client certificate required, verified against the mesh root, then checked for a
 // SPIFFE identity in the trust domain), ALPN h2, CONNECT -> 200 and a TCP connection to the
 // :authority piped both ways with half-close kept; anything else -> 400; refused -> 503.
+// With `reply` set it stands in for a waypoint that answers by itself, as the Rust tests'
+// `run_hbone_server` does: CONNECT -> 200, the reply text, then an echo of the stream until
+// END_STREAM, with no connection to the :authority.
 //
-// Usage: node hbone_server.js '<json>' with port, cert, key, ca, trustDomain.
+// With `forward` ({host, port}) it stands in for a network's east-west gateway in double HBONE:
+// whatever the :authority (a service hostname), the stream is piped to that fixed address, where
+// the destination's own HBONE server terminates the inner tunnel.
+//
+// Usage: node hbone_server.js '<json>' with port, cert, key, ca, trustDomain[, reply, forward].
 // Prints "READY <port>", then one JSON line per stream event.
 'use strict';
 const fs = require('fs');
@@ -49,14 +56,30 @@ server.on('stream', (stream, headers) => {
     baggage: headers.baggage || null,
     forwarded: headers.forwarded || null,
     traceparent: headers.traceparent || null,
+    forwardedNetwork: headers['x-forwarded-network'] ?? null,
     alpn: sock.alpnProtocol,
     tls: sock.getProtocol(),
     clientSan: sock.getPeerCertificate().subjectaltname,
   };
-  const target = info.method === 'CONNECT' ? splitAuthority(info.authority || '') : null;
+  let target = info.method === 'CONNECT' ? splitAuthority(info.authority || '') : null;
+  if (info.method === 'CONNECT' && info.authority && (cfg.reply !== undefined || cfg.forward)) {
+    target = cfg.forward || { host: null, port: null }; // any authority, hostnames included
+  }
   log(info);
   if (target === null) {
     stream.respond({ ':status': 400 }, { endStream: true });
+    return;
+  }
+  if (typeof cfg.reply === 'string') {
+    let echoed = 0;
+    stream.respond({ ':status': 200 });
+    stream.write(cfg.reply);
+    stream.on('data', (c) => { echoed += c.length; stream.write(c); });
+    stream.on('end', () => stream.end());
+    stream.on('error', () => {});
+    stream.on('close', () => {
+      log({ event: 'closed', authority: info.authority, up: echoed, down: echoed + cfg.reply.length, rstCode: stream.rstCode });
+    });
     return;
   }
   let up = 0;

@@ -196,9 +196,9 @@ async def test_admin_index_and_404() -> None:
         r = await request(srv.port, "GET", "/")
         assert r.status == 200
         assert r.headers["content-type"] == "text/html; charset=utf-8"
-        for path in ("config_dump", "quitquitquit", "logging"):
+        for path in ("config_dump", "quitquitquit", "logging", "debug/pprof/profile"):
             assert f'<a href="{path}">' in r.text
-        assert (await request(srv.port, "GET", "/debug/pprof/profile")).status == 404
+        assert (await request(srv.port, "GET", "/debug/pprof/nothing")).status == 404
     finally:
         await srv.close()
 
@@ -267,8 +267,9 @@ async def test_logging_get_post_reset(restore_logging: None) -> None:
     logs.apply_directives(ctl.startup_spec)
     srv = await serve(make_admin(log_control=ctl))
     try:
+        # Rust handle_logging: POST only; anything else is 405 with the help text.
         r = await request(srv.port, "GET", "/logging")
-        assert (r.status, r.text) == (200, "current log level is access=warn,info\n")
+        assert r.status == 405 and r.text.startswith("Invalid HTTP method\n \nusage: POST /logging")
         r = await request(srv.port, "POST", "/logging")  # no params: list, as Rust does
         assert r.text == "current log level is access=warn,info\n"
 
@@ -292,7 +293,7 @@ async def test_logging_get_post_reset(restore_logging: None) -> None:
             r = await request(srv.port, "POST", f"/logging?level={bad}")
             assert r.status == 400
             assert r.text.startswith(f"Invalid level provided: {bad}\n")
-        assert (await request(srv.port, "GET", "/logging")).text.endswith("access=warn,error\n")
+        assert (await request(srv.port, "POST", "/logging")).text.endswith("access=warn,error\n")
 
         r = await request(srv.port, "PUT", "/logging")
         assert r.status == 405 and "usage:" in r.text
@@ -308,12 +309,14 @@ def test_validate_spec() -> None:
             validate_spec(bad)
 
 
-async def test_admin_binds_localhost_only_by_default() -> None:
+async def test_admin_binds_both_loopbacks_by_default() -> None:
+    # Rust: Address::Localhost(ipv6_localhost_enabled, 15000) binds 127.0.0.1 and [::1].
     assert ADMIN_DEFAULT_HOST == "127.0.0.1"
     srv = bind_admin(make_admin(), port=0)
     await srv.start()
     try:
-        assert srv.addresses == [("127.0.0.1", srv.port)]
+        assert srv.addresses == [("127.0.0.1", srv.port), ("::1", srv.port)]
+        assert (await request(srv.port, "GET", "/", host="::1")).status == 200
         assert (await request(srv.port, "GET", "/")).status == 200
         # 127.0.0.2 is also this host (lo holds 127/8) but not the bound address.
         with pytest.raises(OSError):

@@ -56,3 +56,15 @@ def test_keepalive_options_and_new_socket() -> None:
     with SocketFactory(mark=None).new_socket(socket.AF_INET6) as sock:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         assert not sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+
+
+@pytest.mark.usefixtures("require_root")  # IP_TRANSPARENT needs CAP_NET_ADMIN
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_transparent_defers_the_port_to_connect(family: socket.AddressFamily) -> None:
+    """IP_BIND_ADDRESS_NO_PORT: binding the spoofed source IP does not pick a port (that search
+    walks every TIME_WAIT socket); connect() picks it with the destination known."""
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        sockopt.set_transparent(s, family)
+        assert s.getsockopt(sockopt.SOL_IP, sockopt.IP_BIND_ADDRESS_NO_PORT) == 1
+        s.bind(("127.0.0.1" if family == socket.AF_INET else "::1", 0))
+        assert s.getsockname()[1] == 0  # no port yet

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ztunnel.core.addr import SocketAddr, parse_ip
-from ztunnel.core.errors import NoHealthyUpstream, SelfCallError, UnsupportedRoute
+from ztunnel.core.errors import NoHealthyUpstream, NoValidDestination, SelfCallError
 from ztunnel.core.identity import Identity
 from ztunnel.proxy.route import Route, RouteKind, decide_outbound
 from ztunnel.state.localconfig import load_local_config
@@ -183,15 +183,9 @@ def test_service_waypoint(state: State) -> None:
     assert r.expected_identities == (Identity("cluster.local", "default", "waypoint"),)
 
 
-def test_waypoint_itself_is_not_sent_back_to_waypoint(state: State) -> None:
-    wp = state.find_workload_by_uid("c//v1/Pod/default/waypoint")
-    with pytest.raises(NoHealthyUpstream):
-        # No endpoints on with-waypoint, so the waypoint's own call fails instead of looping.
-        decide_outbound(state, wp, SocketAddr.parse("10.96.0.14:80"))
-
-
-def test_cross_network_is_refused_clearly(state: State) -> None:
-    with pytest.raises(UnsupportedRoute, match="cross-network"):
+def test_cross_network_without_gateway_is_refused_clearly(state: State) -> None:
+    """Rust build_request_through_gateway: no network gateway -> NoValidDestination."""
+    with pytest.raises(NoValidDestination, match="no network gateway"):
         route(state, "10.96.0.15:80")
 
 

@@ -1,0 +1,192 @@
+// The types istioctl decodes a ztunnel /config_dump into, written by hand for ztunnel-py's tests
+// from reading istio/istio istioctl/pkg/writer/ztunnel/configdump/api.go and configdump.go: the
+// same type names, JSON names and Go types, so encoding/json accepts, rejects and reports errors
+// exactly as istioctl does. Not istioctl's code.
+package configdump
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+)
+
+type Locality struct {
+	Region  string `json:"region,omitempty"`
+	Zone    string `json:"zone,omitempty"`
+	Subzone string `json:"subzone,omitempty"`
+}
+
+type GatewayAddress struct {
+	Destination string `json:"destination"`
+}
+
+type ApplicationTunnel struct {
+	Protocol string  `json:"protocol"`
+	Port     *uint16 `json:"port,omitempty"`
+}
+
+type ZtunnelWorkload struct {
+	UID                   string            `json:"uid"`
+	WorkloadIPs           []string          `json:"workloadIps"`
+	Waypoint              *GatewayAddress   `json:"waypoint,omitempty"`
+	NetworkGateway        *GatewayAddress   `json:"networkGateway,omitempty"`
+	Protocol              string            `json:"protocol"`
+	Name                  string            `json:"name"`
+	Namespace             string            `json:"namespace"`
+	ServiceAccount        string            `json:"serviceAccount"`
+	WorkloadName          string            `json:"workloadName"`
+	WorkloadType          string            `json:"workloadType"`
+	CanonicalName         string            `json:"canonicalName"`
+	CanonicalRevision     string            `json:"canonicalRevision"`
+	ClusterID             string            `json:"clusterId"`
+	TrustDomain           string            `json:"trustDomain,omitempty"`
+	Locality              Locality          `json:"locality,omitempty"`
+	Node                  string            `json:"node"`
+	Network               string            `json:"network,omitempty"`
+	Status                string            `json:"status"`
+	Hostname              string            `json:"hostname"`
+	Capacity              uint32            `json:"capacity"`
+	ApplicationTunnel     ApplicationTunnel `json:"applicationTunnel,omitempty"`
+	AuthorizationPolicies []string          `json:"authorizationPolicies,omitempty"`
+}
+
+type LoadBalancer struct {
+	Mode               string   `json:"mode"`
+	RoutingPreferences []string `json:"routingPreferences"`
+	HealthPolicy       string   `json:"healthPolicy"`
+}
+
+type ZtunnelEndpoint struct {
+	WorkloadUID string            `json:"workloadUid"`
+	Service     string            `json:"service"`
+	Address     string            `json:"address,omitempty"`
+	Port        map[uint16]uint16 `json:"port"`
+}
+
+// CIDRVIP: an object, or the "network/cidr" string form.
+type CIDRVIP struct {
+	CIDR    string `json:"cidr"`
+	Network string `json:"network,omitempty"`
+}
+
+func (c *CIDRVIP) UnmarshalJSON(data []byte) error {
+	type plain CIDRVIP
+	var p plain
+	if err := json.Unmarshal(data, &p); err == nil {
+		*c = CIDRVIP(p)
+		return nil
+	}
+	var s string
+	if err := json.Unmarshal(data, &s); err != nil {
+		return err
+	}
+	i := strings.Index(s, "/")
+	if i < 0 {
+		return fmt.Errorf("invalid CIDRVIP %q", s)
+	}
+	c.Network, c.CIDR = s[:i], s[i+1:]
+	return nil
+}
+
+type ZtunnelService struct {
+	Name            string                      `json:"name"`
+	Namespace       string                      `json:"namespace"`
+	Hostname        string                      `json:"hostname"`
+	Addresses       []string                    `json:"vips"`
+	CIDRVIPs        []CIDRVIP                   `json:"cidrVips,omitempty"`
+	Ports           map[string]int              `json:"ports"`
+	LoadBalancer    *LoadBalancer               `json:"loadBalancer,omitempty"`
+	Waypoint        *GatewayAddress             `json:"waypoint,omitempty"`
+	Endpoints       map[string]*ZtunnelEndpoint `json:"endpoints"`
+	SubjectAltNames []string                    `json:"subjectAltNames,omitempty"`
+	IPFamilies      string                      `json:"ipFamilies"`
+	Canonical       bool                        `json:"canonical,omitempty"`
+	Visibility      string                      `json:"visibility,omitempty"`
+}
+
+type StringMatch struct {
+	Exact    string      `json:"Exact,omitempty"`
+	Suffix   string      `json:"Suffix,omitempty"`
+	Prefix   string      `json:"Prefix,omitempty"`
+	Presence interface{} `json:"Presence,omitempty"`
+}
+
+type ServiceAccountMatch struct {
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount"`
+}
+
+type PolicyMatch struct {
+	Namespaces          []StringMatch         `json:"namespaces,omitempty"`
+	NotNamespaces       []StringMatch         `json:"notNamespaces,omitempty"`
+	Principals          []StringMatch         `json:"principals,omitempty"`
+	NotPrincipals       []StringMatch         `json:"notPrincipals,omitempty"`
+	SourceIps           []string              `json:"sourceIps,omitempty"`
+	NotSourceIps        []string              `json:"notSourceIps,omitempty"`
+	DestinationIps      []string              `json:"destinationIps,omitempty"`
+	NotDestinationIps   []string              `json:"notDestinationIps,omitempty"`
+	DestinationPorts    []uint16              `json:"destinationPorts,omitempty"`
+	NotDestinationPorts []uint16              `json:"notDestinationPorts,omitempty"`
+	ServiceAccounts     []ServiceAccountMatch `json:"serviceAccounts,omitempty"`
+	NotServiceAccounts  []ServiceAccountMatch `json:"notServiceAccounts,omitempty"`
+}
+
+type ZtunnelPolicy struct {
+	Name      string             `json:"name"`
+	Namespace string             `json:"namespace"`
+	Scope     string             `json:"scope"`
+	Action    string             `json:"action"`
+	Rules     [][][]*PolicyMatch `json:"rules"`
+}
+
+type Cert struct {
+	Pem            string `json:"pem"`
+	SerialNumber   string `json:"serialNumber"`
+	ValidFrom      string `json:"validFrom"`
+	ExpirationTime string `json:"expirationTime"`
+}
+
+type CertsDump struct {
+	Identity  string  `json:"identity"`
+	State     string  `json:"state"`
+	CertChain []*Cert `json:"certChain"`
+	RootCert  []*Cert `json:"rootCerts"`
+}
+
+// OutboundConnection has the same fields as InboundConnection.
+type OutboundConnection InboundConnection
+
+type InboundConnection struct {
+	Src         string `json:"src"`
+	OriginalDst string `json:"originalDst"`
+	ActualDst   string `json:"actualDst"`
+	Protocol    string `json:"protocol"`
+}
+
+type WorkloadConnections struct {
+	Inbound  []InboundConnection  `json:"inbound"`
+	Outbound []OutboundConnection `json:"outbound"`
+}
+
+type WorkloadInfo struct {
+	Name           string `json:"name"`
+	Namespace      string `json:"namespace"`
+	TrustDomain    string `json:"trustDomain"`
+	ServiceAccount string `json:"serviceAccount"`
+}
+
+type WorkloadState struct {
+	State       string              `json:"state,omitempty"`
+	Connections WorkloadConnections `json:"connections,omitempty"`
+	Info        WorkloadInfo        `json:"info"`
+}
+
+// The top level, as istioctl's Prime reads it: the lists kept raw (a list or a map of them),
+// workloadState (matched case-insensitively against the tag) decoded at once.
+type RawDump struct {
+	Services      json.RawMessage          `json:"services"`
+	Workloads     json.RawMessage          `json:"workloads"`
+	Policies      json.RawMessage          `json:"policies"`
+	Certificates  json.RawMessage          `json:"certificates"`
+	WorkloadState map[string]WorkloadState `json:"workloadstate"`
+}

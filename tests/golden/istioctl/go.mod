@@ -1,0 +1,3 @@
+module ztunnelpy/istioctldecoder
+
+go 1.19

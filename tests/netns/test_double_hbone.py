@@ -1,0 +1,232 @@
+"""Double HBONE across networks, end to end: the Rust ztunnel's ``double_hbone1`` scenario
+(``tests/namespaced.rs``) in network namespaces.
+
+Pod a's app calls service ``remote`` whose only endpoint is on network ``remote``, reachable
+through that network's east-west gateway. ztunnel-a opens an outer HBONE tunnel to the gateway
+(Node's http2 in ``forward`` mode, presenting the gateway's identity), which pipes the stream to
+the destination's HBONE port; there a second Node http2 server (``reply`` mode, identity
+``echo``) terminates the inner tunnel, which is mTLS end to end with ztunnel-a. Both CONNECTs
+name ``remote.default.svc.cluster.local:8080``; the inner one carries ``x-forwarded-network``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ztunnel.core.identity import Identity
+from ztunnel.testing.apps import connect_from, recv_all
+from ztunnel.testing.hbone import (
+    TRUST_DOMAIN,
+    Mesh,
+    PodSpec,
+    mesh,
+    no_leaks,
+    workload_yaml,
+    write_cert_files,
+)
+from ztunnel.testing.netns import NsProcess, Pod
+
+from .test_hbone_interop import INTEROP
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.usefixtures("require_root"),
+    pytest.mark.timeout(60),
+]
+
+REMOTE_VIP = "10.96.0.40"
+REMOTE_HOSTNAME = "remote.default.svc.cluster.local"
+# double_hbone2: a service whose remote endpoint names its gateway by the gateway's service
+# hostname, on port 15009 that the gateway maps to 15008
+REMOTE2_VIP = "10.96.0.42"
+REMOTE2_HOSTNAME = "remote-svc-gtw.default.svc.cluster.local"
+GW_SVC_HOSTNAME = "ew-gtw-svc.default.svc.cluster.local"
+AUTHORITY = f"{REMOTE_HOSTNAME}:8080"
+MESSAGE = b"waypoint\n"  # what the destination's HBONE server answers first (Rust's helper)
+SA_A = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-a"
+SA_ECHO = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/echo"
+SA_GW = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/actual-ew-gtw"
+
+
+def config(pods: dict[str, Pod]) -> str:
+    a, gw = pods["a"], pods["gw"]
+    return (
+        "workloads:\n"
+        + workload_yaml(a, "sa-a")
+        # the gateway of network "remote", as the local cluster sees it
+        + workload_yaml(gw, "actual-ew-gtw", network="remote")
+        + f'  services:\n    "default/{GW_SVC_HOSTNAME}": {{15009: 15008}}\n'
+        # the local view of the remote workload: no IP of its own, only its gateway
+        + "- uid: cluster1//v1/Pod/default/local-remote-workload\n"
+        + "  name: local-remote-workload\n  namespace: default\n"
+        + "  serviceAccount: actual-ew-gtw\n  network: remote\n  protocol: HBONE\n"
+        + f'  networkGateway: {{destination: "remote/{gw.ip4}", hboneMtlsPort: 15008}}\n'
+        + f'  services:\n    "default/{REMOTE_HOSTNAME}": {{8080: 8080}}\n'
+        + "- uid: cluster1//v1/Pod/default/local-remote-workload-svc-gtw\n"
+        + "  name: local-remote-workload-svc-gtw\n  namespace: default\n"
+        + "  network: remote\n  protocol: HBONE\n"
+        + f"  networkGateway: {{destination: {{namespace: default, hostname: {GW_SVC_HOSTNAME}}},"
+        + " hboneMtlsPort: 15009}\n"
+        + f'  services:\n    "default/{REMOTE2_HOSTNAME}": {{8080: 8080}}\n'
+        + "services:\n"
+        + f"- name: remote\n  namespace: default\n  hostname: {REMOTE_HOSTNAME}\n"
+        + f'  vips: ["/{REMOTE_VIP}"]\n  ports: {{8080: 8080}}\n'
+        + f'  subjectAltNames: ["{SA_ECHO}"]\n'
+        + f"- name: remote-svc-gtw\n  namespace: default\n  hostname: {REMOTE2_HOSTNAME}\n"
+        + f'  vips: ["/{REMOTE2_VIP}"]\n  ports: {{8080: 8080}}\n'
+        + f'  subjectAltNames: ["{SA_ECHO}"]\n'
+        + f"- name: ew-gtw-svc\n  namespace: default\n  hostname: {GW_SVC_HOSTNAME}\n"
+        + '  vips: ["/10.96.0.41"]\n  ports: {15009: 15008}\n'
+    )
+
+
+@dataclass
+class Bed:
+    m: Mesh
+    gateway: NsProcess
+    echo: NsProcess
+
+
+def _node_server(m: Mesh, pod: str, sa: str, certs: Any, node: str, **extra: object) -> NsProcess:
+    files = write_cert_files(m.ca.issue(Identity(TRUST_DOMAIN, "default", sa)), certs, sa)
+    cfg = {
+        "port": 15008,
+        "cert": str(files.cert),
+        "key": str(files.key),
+        "ca": str(files.ca),
+        "trustDomain": TRUST_DOMAIN,
+        **extra,
+    }
+    proc = m.pods[pod].popen(
+        node, str(INTEROP / "hbone_server.js"), json.dumps(cfg), stderr=subprocess.STDOUT
+    )
+    proc.wait_for_line("READY", timeout=15)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("the double HBONE test needs Node.js (node) on PATH")
+    certs = tmp_path_factory.mktemp("double-hbone-certs")
+    extra = [
+        PodSpec("gw", "n2", service_account=None, ztunnel=None, inpod_rules=False),
+        PodSpec("echo", "n2", service_account=None, ztunnel=None, inpod_rules=False),
+    ]
+    with mesh(
+        extra_env={"POOL_UNUSED_RELEASE_TIMEOUT": "200ms"},
+        extra_pods=extra,
+        start_b=False,
+        config=config,
+    ) as m:
+        echo = _node_server(m, "echo", "echo", certs, node, reply=MESSAGE.decode())
+        forward = {"host": m.pods["echo"].ip4, "port": 15008}
+        gateway = _node_server(m, "gw", "actual-ew-gtw", certs, node, forward=forward)
+        # Warm up: ztunnel-a fetches pod a's certificate (and starts its renewal timer) now.
+        with connect_from(m.a, REMOTE_VIP, 8080, timeout=10) as s:
+            s.shutdown(1)
+            assert recv_all(s, timeout=10) == MESSAGE
+        yield Bed(m, gateway, echo)
+        gateway.stop()
+        echo.stop()
+
+
+def event(proc: NsProcess, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    while True:
+        ev: dict[str, Any] = json.loads(proc.wait_for_line("{", timeout=10))
+        if pred(ev):
+            return ev
+
+
+def test_double_hbone(bed: Bed) -> None:
+    """Rust double_hbone1: the bytes make it through both tunnels; the outer CONNECT reaches the
+    gateway with pod a's certificate, the inner one the destination, end to end."""
+    data = b"across networks\n" * 64
+    since = len(bed.m.zta.records)
+    with no_leaks(bed.m.zta), connect_from(bed.m.a, REMOTE_VIP, 8080, timeout=10) as s:
+        s.sendall(data)
+        s.shutdown(1)
+        assert recv_all(s, timeout=10) == MESSAGE + data
+
+    def is_req(ev: dict[str, Any]) -> bool:
+        return ev["event"] == "request" and ev["authority"] == AUTHORITY
+
+    outer = event(bed.gateway, is_req)
+    inner = event(bed.echo, is_req)
+    for req in (outer, inner):
+        assert req["method"] == "CONNECT" and (req["alpn"], req["tls"]) == ("h2", "TLSv1.3")
+        assert f"URI:{SA_A}" in req["clientSan"]  # the inner TLS is ztunnel-a's too
+        assert f";host={REMOTE_HOSTNAME}" in req["forwarded"]
+    assert outer["forwardedNetwork"] is None  # only the inner CONNECT names the origin network
+    assert inner["forwardedNetwork"] == ""
+    rec = bed.m.zta.wait_for(
+        lambda r: (
+            r.get("message") == "connection complete"
+            and r.get("dst.hbone_addr") == AUTHORITY
+            and r.get("bytes_sent") == len(data)  # not the warm-up's, which may log late
+        ),
+        start=since,
+    )
+    want: dict[str, object] = {
+        "src.identity": SA_A,
+        "dst.addr": f"{bed.m.pods['gw'].ip4}:15008",
+        "dst.hbone_addr": AUTHORITY,
+        "dst.service": REMOTE_HOSTNAME,
+        "dst.identity": SA_ECHO,  # the inner tunnel's peer, not the gateway
+        "direction": "outbound",
+        "bytes_sent": len(data),
+        "bytes_recv": len(MESSAGE) + len(data),
+    }
+    assert {k: rec.get(k) for k in want} == want, rec
+    assert "error" not in rec
+
+
+def test_double_hbone_gateway_by_service_hostname(bed: Bed) -> None:
+    """Rust double_hbone2: the gateway is a service named by hostname; the outer tunnel goes to
+    its endpoint on the port the endpoint maps 15009 to (15008)."""
+    data = b"via a gateway service\n"
+    since = len(bed.m.zta.records)
+    with no_leaks(bed.m.zta), connect_from(bed.m.a, REMOTE2_VIP, 8080, timeout=10) as s:
+        s.sendall(data)
+        s.shutdown(1)
+        assert recv_all(s, timeout=10) == MESSAGE + data
+    rec = bed.m.zta.wait_for(
+        lambda r: (
+            r.get("message") == "connection complete"
+            and r.get("dst.hbone_addr") == f"{REMOTE2_HOSTNAME}:8080"
+        ),
+        start=since,
+    )
+    assert rec["dst.addr"] == f"{bed.m.pods['gw'].ip4}:15008"
+    assert rec["dst.identity"] == SA_ECHO and "error" not in rec
+
+
+def test_double_hbone_inner_identity_is_checked(bed: Bed, tmp_path: Path) -> None:
+    """The inner tunnel must present the service's SAN: behind the same gateway, a destination
+    with another identity is refused in the inner handshake, though the outer one succeeded."""
+    node = shutil.which("node")
+    assert node is not None
+    bed.echo.stop()
+    impostor = _node_server(bed.m, "echo", "not-echo", tmp_path, node, reply=MESSAGE.decode())
+    since = len(bed.m.zta.records)
+    try:
+        with no_leaks(bed.m.zta), connect_from(bed.m.a, REMOTE_VIP, 8080, timeout=10) as s:
+            s.settimeout(10)
+            assert s.recv(1) == b""
+        rec = bed.m.zta.wait_for(
+            lambda r: r.get("message") == "connection complete" and "inner" in str(r.get("error")),
+            start=since,
+        )
+        assert SA_ECHO in rec["error"], rec
+    finally:
+        impostor.stop()
+        bed.echo = _node_server(bed.m, "echo", "echo", tmp_path, node, reply=MESSAGE.decode())
