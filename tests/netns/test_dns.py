@@ -632,3 +632,19 @@ def test_dns_bind_failure_keeps_the_pod_pending_and_not_ready(bed: Bed) -> None:
         assert time.monotonic() < deadline + 5
         time.sleep(0.1)
     bed.agent.del_pod("uid-c6")
+
+
+def test_ipv6_upstream(bed: Bed) -> None:
+    # An IPv6 nameserver in ztunnel's resolv.conf: the pod's marked IPv6 socket reaches it.
+    with open(bed.node_resolv, "w") as f:
+        f.write(f"nameserver {bed.upstream.ip6}\n")
+    try:
+        time.sleep(1.2)
+        r = bed.dig(bed.c2, f"@{KUBE_DNS4}", "AAAA", "web.example.test")
+        assert ips_of(r) == ["fd00:9::9"], r["raw"]
+        with open(bed.dnsmasq_log) as f:
+            assert f"query[AAAA] web.example.test from {bed.c2.ip6}" in f.read()
+    finally:
+        with open(bed.node_resolv, "w") as f:
+            f.write(f"nameserver {bed.upstream.ip4}\n")
+        time.sleep(1.2)

@@ -48,6 +48,7 @@ TCP_REQUEST_TIMEOUT = 5.0  # server.rs DEFAULT_TCP_REQUEST_TIMEOUT: idle or slow
 CLIENT_WAIT = 5.0  # proxy.rs get_workload: wait_for_workload(.., 5 s), then SERVFAIL
 _UDP_BATCH = 64
 HOT_SIZE = 256  # replies remembered per server by request bytes (see DnsServer._on_udp)
+HOT_MAX_REQUEST = 512
 _IPV6_LO_DISABLED = "/proc/sys/net/ipv6/conf/lo/disable_ipv6"
 
 
@@ -342,8 +343,15 @@ class DnsServer:
             return self._cached(req, client, udp)
         cell = self._count(req, udp, client)
         reply = wire.fit(req, wire.answer(req, ans.addresses, cname=ans.cname), udp)
-        if udp and len(ans.addresses) <= 1 and req.raw is not None and len(self._hot) < HOT_SIZE:
-            self._hot[req.raw[2:]] = (reply[2:], cell)
+        raw = req.raw
+        if (
+            udp
+            and len(ans.addresses) <= 1
+            and raw is not None
+            and len(raw) <= HOT_MAX_REQUEST  # a padded query must not pin 64 KiB each
+            and len(self._hot) < HOT_SIZE
+        ):
+            self._hot[raw[2:]] = (reply[2:], cell)
         return reply
 
     def _cached(self, req: wire.Request, client: Workload, udp: bool) -> bytes | wire.Request:
