@@ -223,7 +223,10 @@ class DnsServer:
             if n > 12:
                 tmpl = hot.get(view[2:n].tobytes())
                 if tmpl is not None:
-                    _sendto(sock, view[:2].tobytes() + tmpl[0], addr)
+                    try:  # (inline, not _sendto: this is the per-query hot loop)
+                        sock.sendto(view[:2].tobytes() + tmpl[0], addr)
+                    except OSError:  # a full buffer: it is UDP, the client retries
+                        self.dropped += 1
                     if tmpl[1] is not None:
                         tmpl[1].value += 1
                     continue
