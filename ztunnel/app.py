@@ -29,11 +29,13 @@ from ztunnel.admin.stats import StatsHandler
 from ztunnel.config import Config, CopyMode, ProxyMode
 from ztunnel.core.addr import IPAddr, parse_ip
 from ztunnel.identity.caclient import IstioCAClient
+from ztunnel.identity.crl import CrlError, CrlManager
 from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
+from ztunnel.identity.tls import TlsPolicy
 from ztunnel.inpod.client import ZdsClient
 from ztunnel.inpod.manager import InPodManager
-from ztunnel.metrics import Metrics, export_certificate_expiry, export_xds
+from ztunnel.metrics import Family, Metrics, export_certificate_expiry, export_xds
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import CompanionBuilder, ProxyInstance, instance_factory
 from ztunnel.state.authz import PolicyIndex
@@ -96,12 +98,32 @@ class App:
             len(local.policies),
         )
 
+    def _tls_policy(self) -> TlsPolicy:
+        """TLS12_ENABLED and CRL_PATH for every context built from our certificates."""
+        cfg = self.config
+        crl = None
+        if cfg.crl_path is not None:
+            rejections = Family(
+                "istio_crl_policy_rejections",
+                "The total number of connections rejected due to CRL certificate revocation "
+                "(unstable)",
+                "counter",
+                ("reporter",),
+                registry=self.registry,
+            )
+            try:
+                crl = CrlManager(cfg.crl_path, on_reject=lambda r: rejections.labels(r).inc())
+            except CrlError as e:
+                raise StartupError(f"CRL_PATH: {e}") from None
+        return TlsPolicy(tls12=cfg.tls12_enabled, crl=crl)
+
     def _build_secrets(self) -> SecretManager:
         cfg = self.config
+        policy = self._tls_policy()
         if cfg.ca_address is not None:
             self.ca_client = IstioCAClient.from_config(cfg)
             log.info("certificates from the Istio CA at %s", cfg.ca_address)
-            return SecretManager(self.ca_client)
+            return SecretManager(self.ca_client, tls_policy=policy)
         if cfg.local_ca_dir is not None:
             ca = LocalCA.load_or_create(
                 cfg.local_ca_dir, trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl
@@ -110,7 +132,7 @@ class App:
         else:
             ca = LocalCA.ephemeral(trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl)
             log.info("local CA: ephemeral in-memory root (set ZTUNNEL_LOCAL_CA_DIR to share one)")
-        return SecretManager(ca)
+        return SecretManager(ca, tls_policy=policy)
 
     def _instance_ips(self) -> frozenset[IPAddr]:
         return (
@@ -148,6 +170,8 @@ class App:
             self.xds = AdsClient(
                 cfg, _Updater(self.state, self.secrets, cfg.node_name), env=os.environ
             )
+            if cfg.xds_on_demand:  # lookups of unknown addresses ask istiod (Rust Demander)
+                self.state.demander = self.xds.demand
             self.xds.start()
             self._spawn(self._when_synced(self.xds, xds_ready))
             log.info("xDS: connecting to %s", cfg.xds_address)
@@ -414,3 +438,13 @@ class _Updater(StateUpdater):
             and (workload.protocol is TunnelProtocol.HBONE or workload.native_tunnel)
         ):
             self.secrets.prefetch(workload.identity)
+
+    def remove_address(self, name: str) -> None:
+        # Rust ProxyStateUpdater::remove_internal: a real removal whose identity was the last
+        # on this node clears its certificate (renewal task and key go with it).
+        old = self.state.find_workload_by_uid(name)
+        super().remove_address(name)
+        if old is None or (self.node and old.node != self.node):
+            return
+        if not self.state.identity_on_node(old.namespace, old.service_account, self.node):
+            self.secrets.forget(old.identity)

@@ -20,7 +20,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest as _text_latest
@@ -489,6 +489,19 @@ def wants_openmetrics(accept: str | None) -> bool:
 # --- the metric set ------------------------------------------------------------------------------
 
 
+ON_DEMAND_DNS_LABEL_NAMES = (
+    "source_workload",
+    "source_canonical_service",
+    "source_canonical_revision",
+    "source_workload_namespace",
+    "source_principal",
+    "source_app",
+    "source_version",
+    "source_cluster",
+    "hostname",
+)
+
+
 class InpodMetrics:
     """In-pod proxy counts. Names as istio/ztunnel HEAD registers them: on the root registry
     under ``workload_manager_`` (the README's ``istio_active_proxy_count_total`` etc. are older
@@ -724,10 +737,37 @@ class Metrics:
             registry=registry,
         )
         build.labels("ztunnel", tag).set(1)
+        # Rust proxy/metrics.rs on_demand_dns (OnDemandDnsLabels): ServiceEntry endpoints
+        # resolved by hostname when a connection picks them.
+        self.on_demand_dns = Family(
+            "istio_on_demand_dns",
+            "The total number of requests that used on-demand DNS (unstable)",
+            "counter",
+            ON_DEMAND_DNS_LABEL_NAMES,
+            registry=registry,
+        )
         self.inpod = InpodMetrics(registry) if inpod else None
         self.dns = DnsMetrics(registry) if dns else None  # the DNS proxy, when it is on
         if process:
             ProcessCollector(registry=registry)
+
+    def on_demand_dns_used(self, source: Any, hostname: str) -> None:
+        """Count one on-demand DNS resolution of ``hostname`` by a connection from
+        ``source`` (a Workload or None)."""
+        if source is None:
+            values = ("unknown",) * 8
+        else:
+            values = (
+                source.workload_name or "unknown",
+                source.canonical_name or "unknown",
+                source.canonical_revision or "unknown",
+                source.namespace or "unknown",
+                str(source.identity),
+                source.canonical_name or "unknown",
+                source.canonical_revision or "unknown",
+                source.cluster_id or "unknown",
+            )
+        self.on_demand_dns.labels(*values, hostname or "unknown").inc()
 
     # -- sockets ------------------------------------------------------------------------------
 

@@ -53,7 +53,9 @@ def test_dedicated_mode() -> None:
 
 def test_cluster_id_fallback() -> None:
     assert Config.from_env({"ISTIO_META_CLUSTER_ID": "c2"}).cluster_id == "c2"
-    assert Config.from_env({"CLUSTER_ID": "c1", "ISTIO_META_CLUSTER_ID": "c2"}).cluster_id == "c1"
+    # Rust construct_config: ISTIO_META_CLUSTER_ID wins over CLUSTER_ID.
+    assert Config.from_env({"CLUSTER_ID": "c1", "ISTIO_META_CLUSTER_ID": "c2"}).cluster_id == "c2"
+    assert Config.from_env({"CLUSTER_ID": "c1"}).cluster_id == "c1"
 
 
 @pytest.mark.parametrize(
@@ -81,7 +83,7 @@ def test_headers_and_flags() -> None:
     [
         ({"PROXY_MODE": "sidecar"}, "PROXY_MODE"),
         ({"PROXY_MODE": "dedicated"}, "PROXY_WORKLOAD_INFO"),
-        ({"PROXY_WORKLOAD_INFO": "a/b"}, "PROXY_WORKLOAD_INFO"),
+        ({"PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "a/b"}, "PROXY_WORKLOAD_INFO"),
         ({"PACKET_MARK": "lots"}, "PACKET_MARK"),
         ({"PACKET_MARK": "-1"}, "PACKET_MARK"),
         ({"IPV6_ENABLED": "maybe"}, "IPV6_ENABLED"),

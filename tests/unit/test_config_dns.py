@@ -40,3 +40,30 @@ def test_dns_with_xds_on_demand_is_an_error() -> None:
     assert e.value.var == "XDS_ON_DEMAND" and "on-demand" in e.value.reason
     c = Config.from_env({"XDS_ON_DEMAND": "true", "ISTIO_META_DNS_CAPTURE": "false"})
     assert c.xds_on_demand and not c.dns_proxy
+
+
+def test_capture_and_addr_from_proxy_config_metadata() -> None:
+    # config.rs: proxy_metadata from PROXY_CONFIG proxyMetadata (ISTIO_META_ prefix stripped),
+    # extended by the ISTIO_META_* variables, which win.
+    pc = 'proxyMetadata: {ISTIO_META_DNS_CAPTURE: "false", DNS_PROXY_ADDR: "127.0.0.1:5353"}'
+    c = Config.from_env({"PROXY_CONFIG": pc}, mesh_config="/nonexistent")
+    assert not c.dns_proxy and c.dns_proxy_addr == "127.0.0.1:5353"
+    c = Config.from_env({"PROXY_CONFIG": pc, "ISTIO_META_DNS_CAPTURE": "true"}, mesh_config="/x")
+    assert c.dns_proxy
+
+
+def test_preferred_namespace_reaches_the_dns_resolver() -> None:
+    from ztunnel.dns.forwarder import ResolvConfSource
+    from ztunnel.dns.server import DnsServer
+    from ztunnel.proxy.sockets import SocketFactory
+    from ztunnel.state.store import State
+
+    c = Config.from_env({"PREFERED_SERVICE_NAMESPACE": "pref"}, mesh_config="/nonexistent")
+    srv = DnsServer(
+        config=c,
+        state=State(),
+        sockets=SocketFactory(mark=None),
+        client=lambda: None,
+        resolv=ResolvConfSource("/nonexistent"),
+    )
+    assert srv.resolver.preferred_namespace == "pref"

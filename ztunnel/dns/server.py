@@ -92,6 +92,7 @@ class DnsServer:
             state,
             cluster_domain=config.cluster_domain,
             ipv6_enabled=config.ipv6_enabled,
+            preferred_namespace=config.prefered_service_namespace or "",
             # SearchDomains::Static in dedicated mode: the client's resolv.conf is ztunnel's.
             search=(lambda _client: fwd.search_domains()) if dedicated else None,
         )

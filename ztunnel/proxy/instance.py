@@ -78,6 +78,10 @@ class ProxyInstance:
             else None,
             user_timeout=config.user_timeout_enabled,
         )
+        if config.enable_orig_src is False:
+            # ENABLE_ORIG_SRC=false: no spoofing on the upstream leg to the app either (Rust
+            # proxy.rs maybe_set_transparent): the app sees ztunnel's address.
+            self.sockets.transparent_ok = False
         self.ctx = ProxyContext(
             config=config,
             state=state,
