@@ -149,6 +149,7 @@ def traffic_labels(
     destination: Workload | None = None,
     destination_service: Service | None = None,
     destination_identity: Identity | None = None,
+    destination_baggage: BaggageLike | None = None,
     security_policy: SecurityPolicy = SecurityPolicy.UNKNOWN,
     response_flag: ResponseFlag = ResponseFlag.NONE,
 ) -> tuple[str, ...]:
@@ -164,6 +165,9 @@ def traffic_labels(
       we do mTLS; inbound: the verified peer). Never taken from the workload record.
     * ``destination_*`` from ``destination`` (the chosen upstream); ``destination_principal`` is
       ``destination_identity`` if given, else the destination workload's identity.
+    * ``destination_baggage`` (double HBONE: the inner tunnel's response) replaces them all but
+      the principal, which stays ``destination_identity`` (Rust ``with_derived_destination``:
+      ``destination_app`` is the workload name there).
     * Missing or empty values are ``unknown``. Locality labels are appended only when a source,
       baggage or destination is known.
     """
@@ -187,10 +191,25 @@ def traffic_labels(
         s_cluster = source.cluster_id
         s_region, s_zone = source.locality.region, source.locality.zone
 
-    if destination is not None:
+    d_region = destination.locality.region if destination is not None else ""
+    d_zone = destination.locality.zone if destination is not None else ""
+    if destination_baggage is not None:
+        b = destination_baggage
+        dst: tuple[str, ...] = (
+            _v(b.workload_name),
+            _v(b.service_name),
+            _v(b.service_version),
+            _v(b.namespace),
+            str(destination_identity) if destination_identity is not None else UNKNOWN,
+            _v(b.workload_name),
+            _v(b.service_version),
+            _v(b.cluster_id),
+        )
+        d_region, d_zone = b.region, b.zone
+    elif destination is not None:
         d = destination
         principal = destination_identity if destination_identity is not None else d.identity
-        dst: tuple[str, ...] = (
+        dst = (
             _v(d.workload_name),
             _v(d.canonical_name),
             _v(d.canonical_revision),
@@ -223,10 +242,8 @@ def traffic_labels(
         response_flag.value,
         security_policy.value,
     )
-    if source is None and baggage is None and destination is None:
+    if source is None and baggage is None and destination is None and destination_baggage is None:
         return labels
-    d_region = destination.locality.region if destination is not None else ""
-    d_zone = destination.locality.zone if destination is not None else ""
     return (*labels, _v(s_region), _v(s_zone), _v(d_region), _v(d_zone))
 
 
@@ -797,7 +814,7 @@ class Metrics:
 
         ``rec.src_identity`` becomes ``source_principal`` only when ``mtls`` (Rust: outbound
         reports its own identity only for HBONE; inbound the verified peer)."""
-        if baggage is None:
+        if baggage is None and rec.dst_derived is None:
             src_id = rec.src_identity if mtls else None
             refs = (rec.src_workload, src_id, rec.dst_workload, rec.dst_service, rec.dst_identity)
             key = (rec.direction, mtls, *map(id, refs))
@@ -824,6 +841,7 @@ class Metrics:
             destination=rec.dst_workload,
             destination_service=rec.dst_service,
             destination_identity=rec.dst_identity,
+            destination_baggage=rec.dst_derived,
             security_policy=SecurityPolicy.MUTUAL_TLS if mtls else SecurityPolicy.UNKNOWN,
         )
 
@@ -867,6 +885,8 @@ class RecordLike(Protocol):
     def src_identity(self) -> Identity | None: ...
     @property
     def dst_identity(self) -> Identity | None: ...
+    @property
+    def dst_derived(self) -> BaggageLike | None: ...
 
 
 class ConnectionMetrics:

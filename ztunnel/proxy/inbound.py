@@ -157,17 +157,16 @@ class InboundHbone:
             rec.log_complete(reportable(bridge.error))
 
     async def _connect_app(self, rec: ConnectionRecord, target: InboundTarget) -> socket.socket:
-        """Rust serve_connect: connect to the app, from the client's IP unless
-        ``ENABLE_ORIG_SRC=false``; a PROXY application tunnel goes to loopback (with
-        ``LOCALHOST_APP_TUNNEL``) and starts with the PROXY v2 header."""
+        """Rust serve_connect: connect to the app, from the client's IP (the socket factory
+        knows whether spoofing is on: ``ENABLE_ORIG_SRC``); a PROXY application tunnel goes to
+        loopback (with ``LOCALHOST_APP_TUNNEL``) and starts with the PROXY v2 header."""
         ctx = self.ctx
         tunnel = target.tunnel
         if localhost_tunnel(tunnel, ctx.config.localhost_app_tunnel):
             loopback = _LOOPBACK4 if rec.dst.ip.version == 4 else _LOOPBACK6
             upstream = await ctx.sockets.connect(SocketAddr(loopback, rec.dst.port))
         else:
-            spoof = rec.src.ip if ctx.config.enable_orig_src is not False else None
-            upstream = await ctx.sockets.connect(rec.dst, spoof_source=spoof)
+            upstream = await ctx.sockets.connect(rec.dst, spoof_source=rec.src.ip)
         if tunnel is not None and tunnel.protocol is AppTunnelProtocol.PROXY:
             header = proxy_v2_header(rec.src, tunnel.target, rec.src_identity)
             try:

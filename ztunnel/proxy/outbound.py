@@ -92,7 +92,12 @@ class Outbound:
             counters=CopyCounters(),
         )
         del dst  # the record keeps what it needs: this frame lives as long as the connection
-        ctx.open_metrics(rec, mtls=hbone)
+        if route.kind is RouteKind.DOUBLE_HBONE:
+            # Opened once the inner tunnel's response names the destination (Rust builds the
+            # connection's result after it), or when the connection ends first.
+            rec.open_deferred = lambda: ctx.open_metrics(rec, mtls=True)
+        else:
+            ctx.open_metrics(rec, mtls=hbone)
         with ctx.tracked(rec):
             if not hbone:
                 await ctx.proxy_tcp(rec, sock, route.target)
