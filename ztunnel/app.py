@@ -37,7 +37,7 @@ from ztunnel.inpod.client import ZdsClient
 from ztunnel.inpod.manager import InPodManager
 from ztunnel.metrics import Family, Metrics, export_certificate_expiry, export_xds
 from ztunnel.net.copy import PipePool
-from ztunnel.proxy.instance import ProxyInstance, instance_factory
+from ztunnel.proxy.instance import CompanionBuilder, ProxyInstance, instance_factory
 from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.localconfig import LocalConfig, load_local_config
 from ztunnel.state.model import TunnelProtocol, Workload
@@ -153,7 +153,10 @@ class App:
             self.pipes = PipePool()
         self.secrets = self._build_secrets()
         self.metrics = Metrics(
-            self.registry, inpod=cfg.proxy_mode is ProxyMode.SHARED, tag=istio_version_from_env()
+            self.registry,
+            inpod=cfg.proxy_mode is ProxyMode.SHARED,
+            tag=istio_version_from_env(),
+            dns=cfg.dns_proxy,
         )
         export_xds(self.registry, lambda: self.xds.metrics if self.xds is not None else None)
         export_certificate_expiry(
@@ -175,8 +178,15 @@ class App:
         for server in self.servers:
             await server.start()
         self._spawn(self._flush_metrics_forever())
+        companions = self._dns_companions()
         build = instance_factory(
-            cfg, self.state, self.secrets, self.pipes, metrics=self.metrics, policies=self.policies
+            cfg,
+            self.state,
+            self.secrets,
+            self.pipes,
+            metrics=self.metrics,
+            policies=self.policies,
+            companions=companions,
         )
         if cfg.proxy_mode is ProxyMode.DEDICATED:
             assert cfg.proxy_workload_info is not None
@@ -189,6 +199,7 @@ class App:
                 extra_local_ips=self._instance_ips(),
                 metrics=self.metrics,
                 policies=self.policies,
+                companions=companions,
             )
             try:
                 proxy.bind()
@@ -207,6 +218,19 @@ class App:
             )
             self._zds_task = asyncio.get_running_loop().create_task(client.run())
             log.info("in-pod mode: waiting for pods from the node agent at %s", cfg.inpod_uds)
+
+    def _dns_companions(self) -> CompanionBuilder | None:
+        """The DNS proxy beside every ProxyInstance (``ISTIO_META_DNS_CAPTURE``, on by default)."""
+        cfg = self.config
+        if not cfg.dns_proxy:
+            return None
+        from ztunnel.dns.forwarder import ResolvConfSource
+        from ztunnel.dns.server import dns_companions
+
+        dns_metrics = self.metrics.dns if self.metrics is not None else None
+        return dns_companions(
+            cfg, self.state, dns_metrics, ResolvConfSource(str(cfg.dns_resolv_conf))
+        )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -16,11 +16,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ztunnel.core.addr import SocketAddr
+
 # Ports (istio/ztunnel:src/config.rs). Fixed on the wire: peers dial <pod IP>:15008.
 OUTBOUND_PORT = 15001
 INBOUND_PLAINTEXT_PORT = 15006
 HBONE_PORT = 15008
 DNS_PORT = 15053
+DNS_PROXY_ADDR = f"localhost:{DNS_PORT}"
 ADMIN_PORT = 15000
 STATS_PORT = 15020
 READINESS_PORT = 15021
@@ -167,6 +170,13 @@ class Config:
     h2_max_early_resets: int = 200  # ZTUNNEL_H2_MAX_EARLY_RESETS (rapid reset)
     h2_max_continuations: int = 32  # ZTUNNEL_H2_MAX_CONTINUATIONS (per header block)
     fd_reserve: int | None = None  # ZTUNNEL_FD_RESERVE: fds kept free (None: 10%, 32..1024)
+
+    # DNS proxy (istio/ztunnel src/config.rs): ISTIO_META_DNS_CAPTURE (on unless set to anything
+    # but "true", any case), ISTIO_META_DNS_PROXY_ADDR ("localhost:<port>" = 127.0.0.1 and, where
+    # IPv6 works on lo, [::1]; or one "ip:port").
+    dns_proxy: bool = True
+    dns_proxy_addr: str = DNS_PROXY_ADDR
+    dns_resolv_conf: Path = Path("/etc/resolv.conf")  # ZTUNNEL_DNS_RESOLV_CONF (Python-only)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, mesh_config: str = DEFAULT_MESH_CONFIG) -> Config:
@@ -490,6 +500,11 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
     if flush.total_seconds() <= 0:
         raise ConfigError("ZTUNNEL_METRICS_FLUSH_INTERVAL", "must be positive")
 
+    dns_proxy, dns_proxy_addr = _dns_proxy(e, dict(pc.proxy_metadata) if pc is not None else {})
+    if dns_proxy and e.flag("XDS_ON_DEMAND", False):
+        # config.rs validate_config
+        raise ConfigError("XDS_ON_DEMAND", "DNS proxy does not currently support on-demand mode")
+
     return Config(
         proxy_mode=mode,
         proxy_workload_info=info,
@@ -568,7 +583,37 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         fd_reserve=(
             e.integer("ZTUNNEL_FD_RESERVE", 0, 0, 10**7) if e.opt("ZTUNNEL_FD_RESERVE") else None
         ),
+        dns_proxy=dns_proxy,
+        dns_proxy_addr=dns_proxy_addr,
+        dns_resolv_conf=Path(e.get("ZTUNNEL_DNS_RESOLV_CONF") or "/etc/resolv.conf"),
     )
+
+
+def _dns_proxy(e: _Env, metadata: Mapping[str, str]) -> tuple[bool, str]:
+    """config.rs: DNS_CAPTURE and DNS_PROXY_ADDR from the proxy metadata (mesh config and
+    PROXY_CONFIG ``proxyMetadata``, then ``ISTIO_META_*`` variables, which win)."""
+    raw = e.opt("ISTIO_META_DNS_CAPTURE")
+    if raw is None:
+        raw = metadata.get("DNS_CAPTURE")
+    enabled = raw is None or raw.lower() == "true"
+    addr = e.opt("ISTIO_META_DNS_PROXY_ADDR")
+    if addr is None:
+        addr = metadata.get("DNS_PROXY_ADDR")
+    if addr is None:
+        return enabled, DNS_PROXY_ADDR
+    addr = addr.strip()
+    try:
+        if addr.startswith("localhost:"):
+            port = addr.split(":", 1)[1]
+            if not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(f"invalid port {port!r}")
+        else:
+            SocketAddr.parse(addr)
+    except ValueError as err:
+        raise ConfigError(
+            "ISTIO_META_DNS_PROXY_ADDR", f"{err} (want localhost:<port> or ip:port)"
+        ) from None
+    return enabled, addr
 
 
 def _cluster_id(e: _Env) -> str:

@@ -44,11 +44,15 @@ __all__ = [
     "BaggageLike",
     "Cell",
     "ConnectionMetrics",
+    "DnsMetrics",
     "Family",
+    "HistogramCell",
+    "HistogramFamily",
     "InpodMetrics",
     "Metrics",
     "Reporter",
     "SecurityPolicy",
+    "dns_labels",
     "encode",
     "encode_chunks",
     "encode_chunks_async",
@@ -677,7 +681,8 @@ def export_certificate_expiry(
 class Metrics:
     """Every ztunnel metric, registered on ``registry``. Build once; pass down.
 
-    ``inpod`` adds the workload-manager proxy counts (shared mode only, as in Rust);
+    ``inpod`` adds the workload-manager proxy counts (shared mode only, as in Rust); ``dns``
+    the DNS proxy's ``istio_dns_*``;
     ``process`` adds prometheus_client's ProcessCollector (``process_open_fds``,
     ``process_max_fds``, CPU, memory).
     """
@@ -689,6 +694,7 @@ class Metrics:
         tag: str = __version__,
         inpod: bool = False,
         process: bool = True,
+        dns: bool = False,
     ) -> None:
         self.registry = registry
         labels = TRAFFIC_LABEL_NAMES
@@ -767,6 +773,7 @@ class Metrics:
             ("reason",),
             registry=registry,
         )
+        self.dns = DnsMetrics(registry) if dns else None  # the DNS proxy, when it is on
         if process:
             ProcessCollector(registry=registry)
 
@@ -975,3 +982,180 @@ class ConnectionMetrics:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+# --- the DNS proxy (istio/ztunnel src/dns/metrics.rs) ---------------------------------------------
+
+DNS_LABEL_NAMES: tuple[str, ...] = (
+    "request_query_type",
+    "request_protocol",
+    "source_canonical_service",
+    "source_canonical_revision",
+)
+# dns/metrics.rs: Histogram::new(vec![0.0005, 0.001, 0.01, 0.1, 1.0, 5.0]), printed as Rust does.
+DNS_DURATION_BUCKETS: tuple[tuple[float, str], ...] = (
+    (0.0005, "0.0005"),
+    (0.001, "0.001"),
+    (0.01, "0.01"),
+    (0.1, "0.1"),
+    (1.0, "1.0"),
+    (5.0, "5.0"),
+)
+
+
+class HistogramCell:
+    __slots__ = ("buckets", "count", "key", "sum", "text")
+
+    def __init__(self, key: tuple[str, ...], n: int) -> None:
+        self.key = key
+        self.buckets = [0] * n
+        self.sum = 0.0
+        self.count = 0
+        self.text: str | None = None
+
+    def observe(self, value: float, bounds: Sequence[float]) -> None:
+        for i, b in enumerate(bounds):
+            if value <= b:
+                self.buckets[i] += 1
+        self.sum += value
+        self.count += 1
+
+
+class HistogramFamily:
+    """A histogram family with ordered label tuples (Rust's encoding: _sum, _count, then the
+    cumulative buckets with ``le`` last)."""
+
+    kind = "histogram"
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[tuple[float, str]],
+        *,
+        unit: str = "",
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = tuple(b for b, _ in buckets)
+        self.bound_text = tuple(t for _, t in buckets)
+        self.unit = unit
+        self._sample_name = name
+        self._cells: dict[tuple[str, ...], HistogramCell] = {}
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> HistogramCell:
+        cell = self._cells.get(values)
+        if cell is None:
+            with self._lock:
+                cell = self._cells.setdefault(values, HistogramCell(values, len(self.bounds)))
+        return cell
+
+    def observe(self, values: tuple[str, ...], value: float) -> None:
+        self.labels(*values).observe(value, self.bounds)
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, "histogram")]
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            cells = list(self._cells.values())
+        yield _HistogramSnapshot(self, cells)
+
+    def render(self, cells: list[HistogramCell], openmetrics: bool) -> Iterator[str]:
+        fam = self.name
+        yield f"# HELP {fam} {_escape_help(self.documentation)}\n"
+        yield f"# TYPE {fam} histogram\n"
+        if openmetrics and self.unit:
+            yield f"# UNIT {fam} {self.unit}\n"
+        names = self.labelnames
+        for cell in cells:
+            text = cell.text
+            if text is None:
+                text = cell.text = _render_labels(names, cell.key)
+            inner = text[1:-1] + "," if text else ""
+            yield f"{fam}_sum{text} {_fmt_value(float(cell.sum))}\n"
+            yield f"{fam}_count{text} {cell.count}\n"
+            for le, n in zip(self.bound_text, cell.buckets, strict=True):
+                yield f'{fam}_bucket{{{inner}le="{le}"}} {n}\n'
+            yield f'{fam}_bucket{{{inner}le="+Inf"}} {cell.count}\n'
+
+
+class _HistogramSnapshot(_FamilySnapshot):
+    def __init__(self, family: HistogramFamily, cells: list[HistogramCell]) -> None:
+        Metric.__init__(self, family.name, family.documentation, "histogram")
+        self.family = family  # type: ignore[assignment]
+        self.cells = cells  # type: ignore[assignment]
+        self._built = False
+
+    @property
+    def samples(self) -> list[Sample]:
+        if not self._built:
+            fam: HistogramFamily = self.family  # type: ignore[assignment]
+            out: list[Sample] = []
+            for cell in self.cells:
+                labels = dict(zip(fam.labelnames, cell.key, strict=False))
+                c: HistogramCell = cell  # type: ignore[assignment]
+                out.append(Sample(fam.name + "_sum", labels, c.sum, None, None))
+                out.append(Sample(fam.name + "_count", labels, c.count, None, None))
+                for le, n in zip(fam.bound_text, c.buckets, strict=True):
+                    out.append(Sample(fam.name + "_bucket", {**labels, "le": le}, n, None, None))
+                out.append(
+                    Sample(fam.name + "_bucket", {**labels, "le": "+Inf"}, c.count, None, None)
+                )
+            self._samples = out
+            self._built = True
+        return self._samples
+
+    @samples.setter
+    def samples(self, value: list[Sample]) -> None:
+        self._samples = value
+        self._built = bool(value)
+
+
+class DnsMetrics:
+    """``istio_dns_*`` (unstable in Rust), labels in DNS_LABEL_NAMES order."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Family(
+            "istio_dns_requests",
+            "Total number of DNS requests (unstable).",
+            "counter",
+            DNS_LABEL_NAMES,
+            registry=registry,
+        )
+        self.upstream_requests = Family(
+            "istio_dns_upstream_requests",
+            "Total number of DNS requests forwarded to upstream (unstable).",
+            "counter",
+            DNS_LABEL_NAMES,
+            registry=registry,
+        )
+        self.upstream_failures = Family(
+            "istio_dns_upstream_failures",
+            "Total number of DNS requests that failed to forward upstream (unstable).",
+            "counter",
+            DNS_LABEL_NAMES,
+            registry=registry,
+        )
+        self.upstream_duration = HistogramFamily(
+            "istio_dns_upstream_request_duration_seconds",
+            "Total time in seconds Istio takes to get DNS response from upstream (unstable).",
+            DNS_LABEL_NAMES,
+            DNS_DURATION_BUCKETS,
+            unit="seconds",
+            registry=registry,
+        )
+
+
+def dns_labels(qtype: str, protocol: str, source: Workload | None) -> tuple[str, ...]:
+    """``DnsLabels``: the query type in lower case, ``udp``/``tcp``, the client's canonical
+    service and revision (``unknown`` when the client is not known)."""
+    if source is None:
+        return (qtype, protocol, UNKNOWN, UNKNOWN)
+    return (qtype, protocol, _v(source.canonical_name), _v(source.canonical_revision))

@@ -94,6 +94,49 @@ class SocketFactory:
                 addr, family=family, reuse_port=reuse_port, transparent=transparent
             )
 
+    def datagram(self, family: int) -> socket.socket:
+        """A non-blocking UDP socket in this factory's netns, with its mark (the DNS proxy's
+        upstream queries)."""
+        with self._in_ns():
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            if self.mark:
+                sock.setsockopt(socket.SOL_SOCKET, sockopt.SO_MARK, self.mark)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def bind_datagram(
+        self, addr: tuple[str, int], *, family: int, reuse_port: bool
+    ) -> socket.socket:
+        """A bound, non-blocking, marked UDP socket in this factory's netns (the DNS listener)."""
+        with self._in_ns():
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                if self.mark:
+                    sock.setsockopt(socket.SOL_SOCKET, sockopt.SO_MARK, self.mark)
+                sock.bind(addr)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+        return sock
+
+    def read_sysctl(self, path: str) -> str | None:
+        """A ``/proc/sys/net/...`` value as seen from this factory's netns, or None."""
+        try:
+            with self._in_ns(), open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
     async def connect(
         self,
         target: SocketAddr,

@@ -46,6 +46,7 @@ async def client_for(istiod: FakeIstiod, state: State) -> AdsClient:
         "AUTH_TOKEN": "t",
         "NODE_NAME": NODE,
         "XDS_ON_DEMAND": "true",
+        "ISTIO_META_DNS_CAPTURE": "false",  # with the DNS proxy, on-demand is a config error
     }
     client = AdsClient(
         Config.from_env(env), StateUpdater(state), initial_backoff=0.01, max_backoff=0.05
