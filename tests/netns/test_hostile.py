@@ -7,7 +7,8 @@ asserts the defence (the connection ends with the right GOAWAY, or the request i
 it should be) and, over the attack, the bounds of issue 13's "Done when": the honest client's
 worst round trip under 100 ms, ztunnel's RSS growth under 64 MiB, its fd count under 2,000,
 and no traceback or internal error in its log. ztunnel must also get back to its baseline
-(fds, tasks, connections) afterwards.
+(fds, tasks, connections) afterwards. Every attack runs against a ztunnel on uvloop and on
+the stdlib loop.
 
 Covered: the eight attacks of the issue (SETTINGS cost, rapid reset, early data then reset,
 replies never read, empty CONTINUATION, fd exhaustion, a connection error while a stream is
@@ -320,9 +321,10 @@ class Bed:
         pytest.fail(f"honest client's worst round trip {w.worst} ms (median {w.median} ms)")
 
 
-@pytest.fixture(scope="module")
-def bed() -> Iterator[Bed]:
-    with mesh(external=True, start_b=True) as m, tempfile.TemporaryDirectory() as d:
+@pytest.fixture(scope="module", params=["uvloop", "asyncio"])
+def bed(request: pytest.FixtureRequest) -> Iterator[Bed]:
+    """ztunnel-b on uvloop, then on the stdlib loop (every attack runs on both)."""
+    with mesh(request.param, external=True, start_b=True) as m, tempfile.TemporaryDirectory() as d:
         echo = start_app(m.b, "echo", ports=(ECHO,))
         m.b.run("iptables", "-I", "INPUT", "-p", "tcp", "--dport", str(BLACKHOLE), "-j", "DROP")
         b = Bed(m, m.ca.issue(ATTACKER), m.ca.issue(HONEST), Path(d))
