@@ -1,4 +1,4 @@
-.PHONY: bench bench-full soak test sandbox
+.PHONY: bench bench-full soak test sandbox fuzz
 
 # Quick benchmark suite, as root (network namespaces; about 3 minutes): direct, ztunnel TCP,
 # ztunnel HBONE, HAProxy (splice) and a stunnel mTLS pair side by side in one run.
@@ -25,3 +25,10 @@ test:
 
 sandbox:
 	bash scripts/sandbox.sh
+
+# Coverage-guided fuzzing (atheris) of every parser a peer can reach, FUZZ_SECONDS per target
+# (default 60); crashes are kept under FUZZ_OUT. The unit tests run the same targets briefly.
+FUZZ_SECONDS ?= 60
+FUZZ_OUT ?= /tmp/ztunnel-fuzz
+fuzz:
+	python3 fuzz/run.py --all --seconds $(FUZZ_SECONDS) --out $(FUZZ_OUT)

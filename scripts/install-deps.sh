@@ -8,7 +8,10 @@ cd "$(dirname "$0")/.."
 # haproxy, iperf3, stunnel4: the benchmarks' peers and load; golang-go: the Go stand-in for
 # istioctl's config_dump decoder (tests/golden/istioctl) and `go tool pprof` for the profiles.
 # tmux: a real terminal for `ztunnel top`.
-APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl golang-go tmux)
+# bind9-dnsutils (dig), dnsmasq-base (the binary only: no service, never touches the host's
+# resolver), dnsperf: the DNS proxy's tests and benchmark.
+APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl golang-go tmux
+  bind9-dnsutils dnsmasq-base dnsperf)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

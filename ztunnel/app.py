@@ -29,11 +29,13 @@ from ztunnel.admin.readiness import Readiness, ReadinessHandler, ReadyToken
 from ztunnel.admin.stats import StatsHandler
 from ztunnel.config import Config, CopyMode, ProxyMode
 from ztunnel.core.addr import IPAddr, parse_ip
+from ztunnel.identity.crl import CrlError, CrlManager
 from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
-from ztunnel.metrics import Metrics, export_certificate_expiry, export_xds
+from ztunnel.identity.tls import TlsPolicy
+from ztunnel.metrics import Family, Metrics, export_certificate_expiry, export_xds
 from ztunnel.net.copy import PipePool
-from ztunnel.proxy.instance import ProxyInstance, instance_factory
+from ztunnel.proxy.instance import CompanionBuilder, ProxyInstance, instance_factory
 from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.model import TunnelProtocol, Workload
 from ztunnel.state.store import ChangeKind, State, StateChange
@@ -105,14 +107,34 @@ class App:
             len(local.policies),
         )
 
+    def _tls_policy(self) -> TlsPolicy:
+        """TLS12_ENABLED and CRL_PATH for every context built from our certificates."""
+        cfg = self.config
+        crl = None
+        if cfg.crl_path is not None:
+            rejections = Family(
+                "istio_crl_policy_rejections",
+                "The total number of connections rejected due to CRL certificate revocation "
+                "(unstable)",
+                "counter",
+                ("reporter",),
+                registry=self.registry,
+            )
+            try:
+                crl = CrlManager(cfg.crl_path, on_reject=lambda r: rejections.labels(r).inc())
+            except CrlError as e:
+                raise StartupError(f"CRL_PATH: {e}") from None
+        return TlsPolicy(tls12=cfg.tls12_enabled, crl=crl)
+
     def _build_secrets(self) -> SecretManager:
         cfg = self.config
+        policy = self._tls_policy()
         if cfg.ca_address is not None:
             from ztunnel.identity.caclient import IstioCAClient
 
             self.ca_client = IstioCAClient.from_config(cfg)
             log.info("certificates from the Istio CA at %s", cfg.ca_address)
-            return SecretManager(self.ca_client)
+            return SecretManager(self.ca_client, tls_policy=policy)
         if cfg.local_ca_dir is not None:
             ca = LocalCA.load_or_create(
                 cfg.local_ca_dir, trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl
@@ -121,7 +143,7 @@ class App:
         else:
             ca = LocalCA.ephemeral(trust_domain=cfg.trust_domain, ttl=cfg.secret_ttl)
             log.info("local CA: ephemeral in-memory root (set ZTUNNEL_LOCAL_CA_DIR to share one)")
-        return SecretManager(ca)
+        return SecretManager(ca, tls_policy=policy)
 
     def _instance_ips(self) -> frozenset[IPAddr]:
         return (
@@ -142,7 +164,10 @@ class App:
             self.pipes = PipePool()
         self.secrets = self._build_secrets()
         self.metrics = Metrics(
-            self.registry, inpod=cfg.proxy_mode is ProxyMode.SHARED, tag=istio_version_from_env()
+            self.registry,
+            inpod=cfg.proxy_mode is ProxyMode.SHARED,
+            tag=istio_version_from_env(),
+            dns=cfg.dns_proxy,
         )
         export_xds(self.registry, lambda: self.xds.metrics if self.xds is not None else None)
         export_certificate_expiry(
@@ -158,6 +183,8 @@ class App:
             self.xds = AdsClient(
                 cfg, _updater(self.state, self.secrets, cfg.node_name), env=os.environ
             )
+            if cfg.xds_on_demand:  # lookups of unknown addresses ask istiod (Rust Demander)
+                self.state.demander = self.xds.demand
             self.xds.start()
             self._spawn(self._when_synced(self.xds, xds_ready))
             log.info("xDS: connecting to %s", cfg.xds_address)
@@ -170,8 +197,15 @@ class App:
             self.trimmer = IdleTrimmer()
             if self.trimmer.available:
                 self._spawn(self.trimmer.run(trim))
+        companions = self._dns_companions()
         build = instance_factory(
-            cfg, self.state, self.secrets, self.pipes, metrics=self.metrics, policies=self.policies
+            cfg,
+            self.state,
+            self.secrets,
+            self.pipes,
+            metrics=self.metrics,
+            policies=self.policies,
+            companions=companions,
         )
         if cfg.proxy_mode is ProxyMode.DEDICATED:
             assert cfg.proxy_workload_info is not None
@@ -184,6 +218,7 @@ class App:
                 extra_local_ips=self._instance_ips(),
                 metrics=self.metrics,
                 policies=self.policies,
+                companions=companions,
             )
             try:
                 proxy.bind()
@@ -205,6 +240,19 @@ class App:
             )
             self._zds_task = asyncio.get_running_loop().create_task(client.run())
             log.info("in-pod mode: waiting for pods from the node agent at %s", cfg.inpod_uds)
+
+    def _dns_companions(self) -> CompanionBuilder | None:
+        """The DNS proxy beside every ProxyInstance (``ISTIO_META_DNS_CAPTURE``, on by default)."""
+        cfg = self.config
+        if not cfg.dns_proxy:
+            return None
+        from ztunnel.dns.forwarder import ResolvConfSource
+        from ztunnel.dns.server import dns_companions
+
+        dns_metrics = self.metrics.dns if self.metrics is not None else None
+        return dns_companions(
+            cfg, self.state, dns_metrics, ResolvConfSource(str(cfg.dns_resolv_conf))
+        )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -421,5 +469,15 @@ def _updater(state: State, secrets: SecretManager, node: str) -> StateUpdater:
                 and (workload.protocol is TunnelProtocol.HBONE or workload.native_tunnel)
             ):
                 self.secrets.prefetch(workload.identity)
+
+        def remove_address(self, name: str) -> None:
+            # Rust ProxyStateUpdater::remove_internal: a real removal whose identity was the last
+            # on this node clears its certificate (renewal task and key go with it).
+            old = self.state.find_workload_by_uid(name)
+            super().remove_address(name)
+            if old is None or (self.node and old.node != self.node):
+                return
+            if not self.state.identity_on_node(old.namespace, old.service_account, self.node):
+                self.secrets.forget(old.identity)
 
     return _Updater(state, secrets, node)

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import enum
 import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ztunnel.core.addr import SocketAddr
+
 # Ports (istio/ztunnel:src/config.rs). Fixed on the wire: peers dial <pod IP>:15008.
 OUTBOUND_PORT = 15001
 INBOUND_PLAINTEXT_PORT = 15006
 HBONE_PORT = 15008
 DNS_PORT = 15053
+DNS_PROXY_ADDR = f"localhost:{DNS_PORT}"
 ADMIN_PORT = 15000
 STATS_PORT = 15020
 READINESS_PORT = 15021
@@ -33,6 +37,9 @@ DEFAULT_XDS_IN_CLUSTER = "https://istiod.istio-system.svc:15012"
 DEFAULT_XDS_LOCAL = "https://localhost:15012"
 DEFAULT_ROOT_CA = "./var/run/secrets/istio/root-cert.pem"
 DEFAULT_AUTH_TOKEN = "./var/run/secrets/tokens/istio-token"
+# The mesh config the chart mounts (Rust parse_proxy_config reads this relative path).
+DEFAULT_MESH_CONFIG = "./etc/istio/config/mesh"
+ISTIO_META_PREFIX = "ISTIO_META_"
 
 MiB = 1 << 20
 
@@ -66,9 +73,13 @@ class WorkloadInfo:
 
     @classmethod
     def parse(cls, text: str) -> WorkloadInfo:
-        parts = text.split("/")
-        if len(parts) != 3 or not all(parts):
-            raise ValueError(f"want <namespace>/<name>/<service account>, got {text!r}")
+        # Rust construct_config: splitn(3, "/") into exactly 3 parts; empty parts are allowed
+        # and the service account keeps any further "/".
+        parts = text.split("/", 2)
+        if len(parts) != 3:
+            raise ValueError(
+                f"must match the format 'namespace/name/service-account' (got {text!r})"
+            )
         return cls(parts[0], parts[1], parts[2])
 
 
@@ -131,6 +142,17 @@ class Config:
     # ZTUNNEL_MALLOC_TRIM_INTERVAL: how often free heap memory is returned to the kernel (0: never)
     malloc_trim_interval: timedelta = timedelta(seconds=5)
 
+    # From the chart (src/config.rs, src/lib.rs): PREFERED_SERVICE_NAMESPACE (hostname
+    # lookups' preference after the client's namespace and canonical services), TLS12_ENABLED
+    # (TLS 1.2 next to 1.3 on HBONE), CRL_PATH (peers checked against it), and from the mesh
+    # config / PROXY_CONFIG: proxyMetadata (sent in the xDS node metadata) and concurrency
+    # (Rust's worker thread count; this port runs one event loop whatever it says).
+    prefered_service_namespace: str | None = None
+    tls12_enabled: bool = False
+    crl_path: Path | None = None
+    proxy_metadata: tuple[tuple[str, str], ...] = ()
+    concurrency: int | None = None
+
     # Observability (the *_port knobs are Python-only, ZTUNNEL_{ADMIN,STATS,READINESS}_PORT: two
     # ztunnels sharing one network namespace, as in tests, need different ones; 0 disables)
     admin_port: int = ADMIN_PORT
@@ -142,10 +164,29 @@ class Config:
     # added to the metrics (Rust counts every read/write; we batch them).
     metrics_flush_interval: timedelta = timedelta(seconds=5)
 
+    # Hostile-peer limits (Python-only; README "Security"). HTTP/2 budgets are per connection and
+    # per second; past one the connection ends with GOAWAY ENHANCE_YOUR_CALM.
+    h2_max_control_frames: int = 1000  # ZTUNNEL_H2_MAX_CONTROL_FRAMES
+    h2_max_window_updates: int = 10_000  # ZTUNNEL_H2_MAX_WINDOW_UPDATES
+    h2_max_empty_frames: int = 100  # ZTUNNEL_H2_MAX_EMPTY_FRAMES
+    h2_max_early_resets: int = 200  # ZTUNNEL_H2_MAX_EARLY_RESETS (rapid reset)
+    h2_max_continuations: int = 32  # ZTUNNEL_H2_MAX_CONTINUATIONS (per header block)
+    fd_reserve: int | None = None  # ZTUNNEL_FD_RESERVE: fds kept free (None: 10%, 32..1024)
+
+    # DNS proxy (istio/ztunnel src/config.rs): ISTIO_META_DNS_CAPTURE (on unless set to anything
+    # but "true", any case), ISTIO_META_DNS_PROXY_ADDR ("localhost:<port>" = 127.0.0.1 and, where
+    # IPv6 works on lo, [::1]; or one "ip:port").
+    dns_proxy: bool = True
+    dns_proxy_addr: str = DNS_PROXY_ADDR
+    dns_resolv_conf: Path = Path("/etc/resolv.conf")  # ZTUNNEL_DNS_RESOLV_CONF (Python-only)
+
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Config:
-        """Build and validate. Raises ConfigError naming the first bad variable."""
-        return _build(_Env(env))
+    def from_env(cls, env: Mapping[str, str], *, mesh_config: str = DEFAULT_MESH_CONFIG) -> Config:
+        """Build and validate. Raises ConfigError naming the first bad variable.
+
+        ``mesh_config`` is the mesh config file whose ``defaultConfig`` is merged under
+        ``PROXY_CONFIG`` (Rust ``construct_proxy_config``); a missing file is no error."""
+        return _build(_Env(env), _proxy_config(env, mesh_config))
 
     def summary(self) -> dict[str, Any]:
         """The effective config as plain JSON-able values (logged once, shown in config_dump)."""
@@ -276,7 +317,118 @@ def _termination_deadline(e: _Env) -> timedelta:
     return timedelta(seconds=5)
 
 
-def _build(e: _Env) -> Config:
+@dataclass(frozen=True, slots=True)
+class _ProxyConfig:
+    """The ProxyConfig fields ztunnel reads (Rust ``ProxyConfig``), merged from the mesh config's
+    ``defaultConfig`` then ``PROXY_CONFIG`` (later wins, metadata maps merge)."""
+
+    discovery_address: str | None = None
+    proxy_admin_port: int | None = None
+    stats_port: int | None = None
+    concurrency: int | None = None
+    proxy_metadata: tuple[tuple[str, str], ...] = ()
+
+
+def _parse_proxy_config(doc: Any, var: str) -> _ProxyConfig:
+    if doc is None:
+        return _ProxyConfig()
+    if not isinstance(doc, dict):
+        raise ConfigError(var, f"want a mapping of ProxyConfig fields, got {type(doc).__name__}")
+
+    def port(key: str) -> int | None:
+        v = doc.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
+            raise ConfigError(var, f"{key}: want a port (0-65535), got {v!r}")
+        return v
+
+    addr = doc.get("discoveryAddress")
+    if addr is not None and not isinstance(addr, str):
+        raise ConfigError(var, f"discoveryAddress: want a string, got {addr!r}")
+    meta = doc.get("proxyMetadata") or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise ConfigError(var, "proxyMetadata: want a mapping of strings to strings")
+    return _ProxyConfig(
+        discovery_address=addr,
+        proxy_admin_port=port("proxyAdminPort"),
+        stats_port=port("statsPort"),
+        concurrency=port("concurrency"),  # a u16 in Rust
+        proxy_metadata=tuple(meta.items()),
+    )
+
+
+def _proxy_config(env: Mapping[str, str], mesh_path: str) -> _ProxyConfig:
+    """Rust ``construct_proxy_config``: mesh config ``defaultConfig``, then ``PROXY_CONFIG``; the
+    metadata keys lose an ``ISTIO_META_`` prefix."""
+    import yaml  # local: only start-up needs it
+
+    layers: list[_ProxyConfig] = []
+    try:
+        with open(mesh_path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = None
+    except OSError as e:
+        raise ConfigError("mesh config", f"cannot read {mesh_path}: {e}") from None
+    if text is not None:
+        try:
+            mesh = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError("mesh config", f"failed parsing {mesh_path}: {e}") from None
+        if mesh is not None and not isinstance(mesh, dict):
+            raise ConfigError("mesh config", f"{mesh_path}: want a mapping")
+        layers.append(_parse_proxy_config((mesh or {}).get("defaultConfig"), "mesh config"))
+    raw = env.get("PROXY_CONFIG")
+    if raw:
+        try:
+            doc = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError("PROXY_CONFIG", f"failed parsing proxy config: {e}") from None
+        layers.append(_parse_proxy_config(doc, "PROXY_CONFIG"))
+    out = _ProxyConfig()
+    meta: dict[str, str] = {}
+    for pc in layers:
+        out = _ProxyConfig(
+            discovery_address=pc.discovery_address or out.discovery_address,
+            proxy_admin_port=(
+                pc.proxy_admin_port if pc.proxy_admin_port is not None else out.proxy_admin_port
+            ),
+            stats_port=pc.stats_port if pc.stats_port is not None else out.stats_port,
+            concurrency=pc.concurrency if pc.concurrency is not None else out.concurrency,
+        )
+        meta.update(pc.proxy_metadata)
+    stripped = {
+        (k[len(ISTIO_META_PREFIX) :] if k.startswith(ISTIO_META_PREFIX) else k): v
+        for k, v in meta.items()
+    }
+    return _ProxyConfig(
+        out.discovery_address,
+        out.proxy_admin_port,
+        out.stats_port,
+        out.concurrency,
+        tuple(sorted(stripped.items())),
+    )
+
+
+def _compliance_policy(e: _Env) -> None:
+    """Rust src/lib.rs: ``COMPLIANCE_POLICY=pqc`` restricts key exchange to X25519MLKEM768
+    (and panics without OpenSSL >= 3.5); any other value is ignored. Python's ``ssl`` cannot
+    select TLS 1.3 key-exchange groups, so pqc is refused here rather than silently not
+    applied."""
+    if e.get("COMPLIANCE_POLICY") == "pqc":
+        raise ConfigError(
+            "COMPLIANCE_POLICY",
+            "pqc needs the X25519MLKEM768 key exchange only; Python's ssl module cannot "
+            f"restrict TLS key-exchange groups ({ssl.OPENSSL_VERSION}), so it cannot be honoured",
+        )
+
+
+def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
+    pc = pc or _ProxyConfig()
+    _compliance_policy(e)
     try:
         mode = ProxyMode(e.get("PROXY_MODE", "shared").strip().lower())
     except ValueError:
@@ -285,7 +437,9 @@ def _build(e: _Env) -> Config:
         ) from None
 
     info: WorkloadInfo | None = None
-    if raw_info := e.opt("PROXY_WORKLOAD_INFO"):
+    # Rust reads PROXY_WORKLOAD_INFO only outside shared mode (ZDS names the workloads there).
+    raw_info = e.opt("PROXY_WORKLOAD_INFO") if mode is not ProxyMode.SHARED else None
+    if raw_info is not None:
         try:
             info = WorkloadInfo.parse(raw_info)
         except ValueError as err:
@@ -305,6 +459,8 @@ def _build(e: _Env) -> Config:
     xds_address: str | None
     if raw_xds is not None:
         xds_address = raw_xds.strip() or None
+    elif pc.discovery_address is not None:  # mesh config / PROXY_CONFIG discoveryAddress
+        xds_address = pc.discovery_address.strip() or None
     elif local_path or local_inline:
         xds_address = None
     else:
@@ -346,6 +502,11 @@ def _build(e: _Env) -> Config:
     if flush.total_seconds() <= 0:
         raise ConfigError("ZTUNNEL_METRICS_FLUSH_INTERVAL", "must be positive")
 
+    dns_proxy, dns_proxy_addr = _dns_proxy(e, dict(pc.proxy_metadata) if pc is not None else {})
+    if dns_proxy and e.flag("XDS_ON_DEMAND", False):
+        # config.rs validate_config
+        raise ConfigError("XDS_ON_DEMAND", "DNS proxy does not currently support on-demand mode")
+
     return Config(
         proxy_mode=mode,
         proxy_workload_info=info,
@@ -355,7 +516,8 @@ def _build(e: _Env) -> Config:
         service_account=e.get("SERVICE_ACCOUNT"),
         instance_ip=e.get("INSTANCE_IP"),
         trust_domain=e.get("TRUST_DOMAIN", "cluster.local") or "cluster.local",
-        cluster_id=e.opt("CLUSTER_ID") or e.opt("ISTIO_META_CLUSTER_ID") or "Kubernetes",
+        # Rust: ISTIO_META_CLUSTER_ID when set (even empty), else CLUSTER_ID, else Kubernetes.
+        cluster_id=_cluster_id(e),
         cluster_domain=e.get("CLUSTER_DOMAIN", "cluster.local") or "cluster.local",
         network=e.get("NETWORK"),
         local_xds_path=Path(local_path) if local_path else None,
@@ -394,13 +556,74 @@ def _build(e: _Env) -> Config:
         copy_mode=copy_mode,
         malloc_tuning=e.flag("ZTUNNEL_MALLOC_TUNING", True),
         malloc_trim_interval=e.duration("ZTUNNEL_MALLOC_TRIM_INTERVAL", timedelta(seconds=5)),
-        admin_port=e.integer("ZTUNNEL_ADMIN_PORT", ADMIN_PORT, 0, 65535),
-        stats_port=e.integer("ZTUNNEL_STATS_PORT", STATS_PORT, 0, 65535),
+        prefered_service_namespace=e.opt("PREFERED_SERVICE_NAMESPACE"),
+        tls12_enabled=e.get("TLS12_ENABLED") == "true",  # exactly "true", as Rust compares
+        crl_path=Path(crl) if (crl := e.get("CRL_PATH")) else None,
+        proxy_metadata=pc.proxy_metadata,
+        concurrency=pc.concurrency,
+        # ZTUNNEL_*_PORT (Python-only) first, then the mesh config's proxyAdminPort/statsPort.
+        admin_port=e.integer(
+            "ZTUNNEL_ADMIN_PORT",
+            pc.proxy_admin_port if pc.proxy_admin_port is not None else ADMIN_PORT,
+            0,
+            65535,
+        ),
+        stats_port=e.integer(
+            "ZTUNNEL_STATS_PORT",
+            pc.stats_port if pc.stats_port is not None else STATS_PORT,
+            0,
+            65535,
+        ),
         readiness_port=e.integer("ZTUNNEL_READINESS_PORT", READINESS_PORT, 0, 65535),
         log_format=log_format,
         rust_log=e.get("RUST_LOG", "info") or "info",
         metrics_flush_interval=flush,
+        h2_max_control_frames=e.integer("ZTUNNEL_H2_MAX_CONTROL_FRAMES", 1000, 1, 10**9),
+        h2_max_window_updates=e.integer("ZTUNNEL_H2_MAX_WINDOW_UPDATES", 10_000, 1, 10**9),
+        h2_max_empty_frames=e.integer("ZTUNNEL_H2_MAX_EMPTY_FRAMES", 100, 1, 10**9),
+        h2_max_early_resets=e.integer("ZTUNNEL_H2_MAX_EARLY_RESETS", 200, 1, 10**9),
+        h2_max_continuations=e.integer("ZTUNNEL_H2_MAX_CONTINUATIONS", 32, 1, 10**6),
+        fd_reserve=(
+            e.integer("ZTUNNEL_FD_RESERVE", 0, 0, 10**7) if e.opt("ZTUNNEL_FD_RESERVE") else None
+        ),
+        dns_proxy=dns_proxy,
+        dns_proxy_addr=dns_proxy_addr,
+        dns_resolv_conf=Path(e.get("ZTUNNEL_DNS_RESOLV_CONF") or "/etc/resolv.conf"),
     )
+
+
+def _dns_proxy(e: _Env, metadata: Mapping[str, str]) -> tuple[bool, str]:
+    """config.rs: DNS_CAPTURE and DNS_PROXY_ADDR from the proxy metadata (mesh config and
+    PROXY_CONFIG ``proxyMetadata``, then ``ISTIO_META_*`` variables, which win)."""
+    raw = e.opt("ISTIO_META_DNS_CAPTURE")
+    if raw is None:
+        raw = metadata.get("DNS_CAPTURE")
+    enabled = raw is None or raw.lower() == "true"
+    addr = e.opt("ISTIO_META_DNS_PROXY_ADDR")
+    if addr is None:
+        addr = metadata.get("DNS_PROXY_ADDR")
+    if addr is None:
+        return enabled, DNS_PROXY_ADDR
+    addr = addr.strip()
+    try:
+        if addr.startswith("localhost:"):
+            port = addr.split(":", 1)[1]
+            if not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(f"invalid port {port!r}")
+        else:
+            SocketAddr.parse(addr)
+    except ValueError as err:
+        raise ConfigError(
+            "ISTIO_META_DNS_PROXY_ADDR", f"{err} (want localhost:<port> or ip:port)"
+        ) from None
+    return enabled, addr
+
+
+def _cluster_id(e: _Env) -> str:
+    meta = e.opt(ISTIO_META_PREFIX + "CLUSTER_ID")
+    if meta is not None:
+        return meta
+    return e.get("CLUSTER_ID", "Kubernetes")
 
 
 def _validate_url(var: str, url: str) -> str:

@@ -20,7 +20,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest as _text_latest
@@ -44,11 +44,15 @@ __all__ = [
     "BaggageLike",
     "Cell",
     "ConnectionMetrics",
+    "DnsMetrics",
     "Family",
+    "HistogramCell",
+    "HistogramFamily",
     "InpodMetrics",
     "Metrics",
     "Reporter",
     "SecurityPolicy",
+    "dns_labels",
     "encode",
     "encode_chunks",
     "encode_chunks_async",
@@ -145,6 +149,7 @@ def traffic_labels(
     destination: Workload | None = None,
     destination_service: Service | None = None,
     destination_identity: Identity | None = None,
+    destination_baggage: BaggageLike | None = None,
     security_policy: SecurityPolicy = SecurityPolicy.UNKNOWN,
     response_flag: ResponseFlag = ResponseFlag.NONE,
 ) -> tuple[str, ...]:
@@ -160,6 +165,9 @@ def traffic_labels(
       we do mTLS; inbound: the verified peer). Never taken from the workload record.
     * ``destination_*`` from ``destination`` (the chosen upstream); ``destination_principal`` is
       ``destination_identity`` if given, else the destination workload's identity.
+    * ``destination_baggage`` (double HBONE: the inner tunnel's response) replaces them all but
+      the principal, which stays ``destination_identity`` (Rust ``with_derived_destination``:
+      ``destination_app`` is the workload name there).
     * Missing or empty values are ``unknown``. Locality labels are appended only when a source,
       baggage or destination is known.
     """
@@ -183,10 +191,25 @@ def traffic_labels(
         s_cluster = source.cluster_id
         s_region, s_zone = source.locality.region, source.locality.zone
 
-    if destination is not None:
+    d_region = destination.locality.region if destination is not None else ""
+    d_zone = destination.locality.zone if destination is not None else ""
+    if destination_baggage is not None:
+        b = destination_baggage
+        dst: tuple[str, ...] = (
+            _v(b.workload_name),
+            _v(b.service_name),
+            _v(b.service_version),
+            _v(b.namespace),
+            str(destination_identity) if destination_identity is not None else UNKNOWN,
+            _v(b.workload_name),
+            _v(b.service_version),
+            _v(b.cluster_id),
+        )
+        d_region, d_zone = b.region, b.zone
+    elif destination is not None:
         d = destination
         principal = destination_identity if destination_identity is not None else d.identity
-        dst: tuple[str, ...] = (
+        dst = (
             _v(d.workload_name),
             _v(d.canonical_name),
             _v(d.canonical_revision),
@@ -219,10 +242,8 @@ def traffic_labels(
         response_flag.value,
         security_policy.value,
     )
-    if source is None and baggage is None and destination is None:
+    if source is None and baggage is None and destination is None and destination_baggage is None:
         return labels
-    d_region = destination.locality.region if destination is not None else ""
-    d_zone = destination.locality.zone if destination is not None else ""
     return (*labels, _v(s_region), _v(s_zone), _v(d_region), _v(d_zone))
 
 
@@ -485,6 +506,19 @@ def wants_openmetrics(accept: str | None) -> bool:
 # --- the metric set ------------------------------------------------------------------------------
 
 
+ON_DEMAND_DNS_LABEL_NAMES = (
+    "source_workload",
+    "source_canonical_service",
+    "source_canonical_revision",
+    "source_workload_namespace",
+    "source_principal",
+    "source_app",
+    "source_version",
+    "source_cluster",
+    "hostname",
+)
+
+
 class InpodMetrics:
     """In-pod proxy counts. Names as istio/ztunnel HEAD registers them: on the root registry
     under ``workload_manager_`` (the README's ``istio_active_proxy_count_total`` etc. are older
@@ -647,7 +681,8 @@ def export_certificate_expiry(
 class Metrics:
     """Every ztunnel metric, registered on ``registry``. Build once; pass down.
 
-    ``inpod`` adds the workload-manager proxy counts (shared mode only, as in Rust);
+    ``inpod`` adds the workload-manager proxy counts (shared mode only, as in Rust); ``dns``
+    the DNS proxy's ``istio_dns_*``;
     ``process`` adds prometheus_client's ProcessCollector (``process_open_fds``,
     ``process_max_fds``, CPU, memory).
     """
@@ -659,6 +694,7 @@ class Metrics:
         tag: str = __version__,
         inpod: bool = False,
         process: bool = True,
+        dns: bool = False,
     ) -> None:
         self.registry = registry
         labels = TRAFFIC_LABEL_NAMES
@@ -718,9 +754,46 @@ class Metrics:
             registry=registry,
         )
         build.labels("ztunnel", tag).set(1)
+        # Rust proxy/metrics.rs on_demand_dns (OnDemandDnsLabels): ServiceEntry endpoints
+        # resolved by hostname when a connection picks them.
+        self.on_demand_dns = Family(
+            "istio_on_demand_dns",
+            "The total number of requests that used on-demand DNS (unstable)",
+            "counter",
+            ON_DEMAND_DNS_LABEL_NAMES,
+            registry=registry,
+        )
         self.inpod = InpodMetrics(registry) if inpod else None
+        # Python-only (issue 13): connections, streams and peers refused or cut by a resource
+        # limit or a protocol defence, by reason (a fixed small set; README "Security").
+        self.guard_events = Family(
+            "ztunnel_guard_events",
+            "Connections, streams and peers refused or cut by a limit or protocol defence.",
+            "counter",
+            ("reason",),
+            registry=registry,
+        )
+        self.dns = DnsMetrics(registry) if dns else None  # the DNS proxy, when it is on
         if process:
             ProcessCollector(registry=registry)
+
+    def on_demand_dns_used(self, source: Any, hostname: str) -> None:
+        """Count one on-demand DNS resolution of ``hostname`` by a connection from
+        ``source`` (a Workload or None)."""
+        if source is None:
+            values = ("unknown",) * 8
+        else:
+            values = (
+                source.workload_name or "unknown",
+                source.canonical_name or "unknown",
+                source.canonical_revision or "unknown",
+                source.namespace or "unknown",
+                str(source.identity),
+                source.canonical_name or "unknown",
+                source.canonical_revision or "unknown",
+                source.cluster_id or "unknown",
+            )
+        self.on_demand_dns.labels(*values, hostname or "unknown").inc()
 
     # -- sockets ------------------------------------------------------------------------------
 
@@ -730,6 +803,10 @@ class Metrics:
 
     def socket_closed(self, reporter: Reporter) -> None:
         self._socket_cells[reporter].value -= 1
+
+    def guard_event(self, reason: str) -> None:
+        """Count one refusal or cut (``guard_events``)."""
+        self.guard_events.labels(reason).value += 1
 
     # -- connections --------------------------------------------------------------------------
 
@@ -750,7 +827,7 @@ class Metrics:
 
         ``rec.src_identity`` becomes ``source_principal`` only when ``mtls`` (Rust: outbound
         reports its own identity only for HBONE; inbound the verified peer)."""
-        if baggage is None:
+        if baggage is None and rec.dst_derived is None:
             src_id = rec.src_identity if mtls else None
             refs = (rec.src_workload, src_id, rec.dst_workload, rec.dst_service, rec.dst_identity)
             key = (rec.direction, mtls, *map(id, refs))
@@ -777,6 +854,7 @@ class Metrics:
             destination=rec.dst_workload,
             destination_service=rec.dst_service,
             destination_identity=rec.dst_identity,
+            destination_baggage=rec.dst_derived,
             security_policy=SecurityPolicy.MUTUAL_TLS if mtls else SecurityPolicy.UNKNOWN,
         )
 
@@ -820,6 +898,8 @@ class RecordLike(Protocol):
     def src_identity(self) -> Identity | None: ...
     @property
     def dst_identity(self) -> Identity | None: ...
+    @property
+    def dst_derived(self) -> BaggageLike | None: ...
 
 
 class ConnectionMetrics:
@@ -902,3 +982,180 @@ class ConnectionMetrics:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+# --- the DNS proxy (istio/ztunnel src/dns/metrics.rs) ---------------------------------------------
+
+DNS_LABEL_NAMES: tuple[str, ...] = (
+    "request_query_type",
+    "request_protocol",
+    "source_canonical_service",
+    "source_canonical_revision",
+)
+# dns/metrics.rs: Histogram::new(vec![0.0005, 0.001, 0.01, 0.1, 1.0, 5.0]), printed as Rust does.
+DNS_DURATION_BUCKETS: tuple[tuple[float, str], ...] = (
+    (0.0005, "0.0005"),
+    (0.001, "0.001"),
+    (0.01, "0.01"),
+    (0.1, "0.1"),
+    (1.0, "1.0"),
+    (5.0, "5.0"),
+)
+
+
+class HistogramCell:
+    __slots__ = ("buckets", "count", "key", "sum", "text")
+
+    def __init__(self, key: tuple[str, ...], n: int) -> None:
+        self.key = key
+        self.buckets = [0] * n
+        self.sum = 0.0
+        self.count = 0
+        self.text: str | None = None
+
+    def observe(self, value: float, bounds: Sequence[float]) -> None:
+        for i, b in enumerate(bounds):
+            if value <= b:
+                self.buckets[i] += 1
+        self.sum += value
+        self.count += 1
+
+
+class HistogramFamily:
+    """A histogram family with ordered label tuples (Rust's encoding: _sum, _count, then the
+    cumulative buckets with ``le`` last)."""
+
+    kind = "histogram"
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[tuple[float, str]],
+        *,
+        unit: str = "",
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = tuple(b for b, _ in buckets)
+        self.bound_text = tuple(t for _, t in buckets)
+        self.unit = unit
+        self._sample_name = name
+        self._cells: dict[tuple[str, ...], HistogramCell] = {}
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> HistogramCell:
+        cell = self._cells.get(values)
+        if cell is None:
+            with self._lock:
+                cell = self._cells.setdefault(values, HistogramCell(values, len(self.bounds)))
+        return cell
+
+    def observe(self, values: tuple[str, ...], value: float) -> None:
+        self.labels(*values).observe(value, self.bounds)
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, "histogram")]
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            cells = list(self._cells.values())
+        yield _HistogramSnapshot(self, cells)
+
+    def render(self, cells: list[HistogramCell], openmetrics: bool) -> Iterator[str]:
+        fam = self.name
+        yield f"# HELP {fam} {_escape_help(self.documentation)}\n"
+        yield f"# TYPE {fam} histogram\n"
+        if openmetrics and self.unit:
+            yield f"# UNIT {fam} {self.unit}\n"
+        names = self.labelnames
+        for cell in cells:
+            text = cell.text
+            if text is None:
+                text = cell.text = _render_labels(names, cell.key)
+            inner = text[1:-1] + "," if text else ""
+            yield f"{fam}_sum{text} {_fmt_value(float(cell.sum))}\n"
+            yield f"{fam}_count{text} {cell.count}\n"
+            for le, n in zip(self.bound_text, cell.buckets, strict=True):
+                yield f'{fam}_bucket{{{inner}le="{le}"}} {n}\n'
+            yield f'{fam}_bucket{{{inner}le="+Inf"}} {cell.count}\n'
+
+
+class _HistogramSnapshot(_FamilySnapshot):
+    def __init__(self, family: HistogramFamily, cells: list[HistogramCell]) -> None:
+        Metric.__init__(self, family.name, family.documentation, "histogram")
+        self.family = family  # type: ignore[assignment]
+        self.cells = cells  # type: ignore[assignment]
+        self._built = False
+
+    @property
+    def samples(self) -> list[Sample]:
+        if not self._built:
+            fam: HistogramFamily = self.family  # type: ignore[assignment]
+            out: list[Sample] = []
+            for cell in self.cells:
+                labels = dict(zip(fam.labelnames, cell.key, strict=False))
+                c: HistogramCell = cell  # type: ignore[assignment]
+                out.append(Sample(fam.name + "_sum", labels, c.sum, None, None))
+                out.append(Sample(fam.name + "_count", labels, c.count, None, None))
+                for le, n in zip(fam.bound_text, c.buckets, strict=True):
+                    out.append(Sample(fam.name + "_bucket", {**labels, "le": le}, n, None, None))
+                out.append(
+                    Sample(fam.name + "_bucket", {**labels, "le": "+Inf"}, c.count, None, None)
+                )
+            self._samples = out
+            self._built = True
+        return self._samples
+
+    @samples.setter
+    def samples(self, value: list[Sample]) -> None:
+        self._samples = value
+        self._built = bool(value)
+
+
+class DnsMetrics:
+    """``istio_dns_*`` (unstable in Rust), labels in DNS_LABEL_NAMES order."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Family(
+            "istio_dns_requests",
+            "Total number of DNS requests (unstable).",
+            "counter",
+            DNS_LABEL_NAMES,
+            registry=registry,
+        )
+        self.upstream_requests = Family(
+            "istio_dns_upstream_requests",
+            "Total number of DNS requests forwarded to upstream (unstable).",
+            "counter",
+            DNS_LABEL_NAMES,
+            registry=registry,
+        )
+        self.upstream_failures = Family(
+            "istio_dns_upstream_failures",
+            "Total number of DNS requests that failed to forward upstream (unstable).",
+            "counter",
+            DNS_LABEL_NAMES,
+            registry=registry,
+        )
+        self.upstream_duration = HistogramFamily(
+            "istio_dns_upstream_request_duration_seconds",
+            "Total time in seconds Istio takes to get DNS response from upstream (unstable).",
+            DNS_LABEL_NAMES,
+            DNS_DURATION_BUCKETS,
+            unit="seconds",
+            registry=registry,
+        )
+
+
+def dns_labels(qtype: str, protocol: str, source: Workload | None) -> tuple[str, ...]:
+    """``DnsLabels``: the query type in lower case, ``udp``/``tcp``, the client's canonical
+    service and revision (``unknown`` when the client is not known)."""
+    if source is None:
+        return (qtype, protocol, UNKNOWN, UNKNOWN)
+    return (qtype, protocol, _v(source.canonical_name), _v(source.canonical_revision))

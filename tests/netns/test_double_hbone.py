@@ -11,17 +11,13 @@ name ``remote.default.svc.cluster.local:8080``; the inner one carries ``x-forwar
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ztunnel.core.identity import Identity
 from ztunnel.testing.apps import connect_from, recv_all
 from ztunnel.testing.hbone import (
     TRUST_DOMAIN,
@@ -30,11 +26,11 @@ from ztunnel.testing.hbone import (
     mesh,
     no_leaks,
     workload_yaml,
-    write_cert_files,
 )
 from ztunnel.testing.netns import NsProcess, Pod
 
-from .test_hbone_interop import INTEROP
+from .nodehbone import event, start_server
+from .test_observability import parse_samples, scrape
 
 pytestmark = [
     pytest.mark.netns,
@@ -54,6 +50,11 @@ MESSAGE = b"waypoint\n"  # what the destination's HBONE server answers first (Ru
 SA_A = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-a"
 SA_ECHO = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/echo"
 SA_GW = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/actual-ew-gtw"
+# What the destination's 200 says of it (as a ztunnel's response baggage does)
+ECHO_BAGGAGE = (
+    "k8s.cluster.name=remote-cluster,k8s.namespace.name=echo-ns,k8s.deployment.name=echo,"
+    "service.name=echo-app,service.version=v7"
+)
 
 
 def config(pods: dict[str, Pod]) -> str:
@@ -95,28 +96,8 @@ class Bed:
     echo: NsProcess
 
 
-def _node_server(m: Mesh, pod: str, sa: str, certs: Any, node: str, **extra: object) -> NsProcess:
-    files = write_cert_files(m.ca.issue(Identity(TRUST_DOMAIN, "default", sa)), certs, sa)
-    cfg = {
-        "port": 15008,
-        "cert": str(files.cert),
-        "key": str(files.key),
-        "ca": str(files.ca),
-        "trustDomain": TRUST_DOMAIN,
-        **extra,
-    }
-    proc = m.pods[pod].popen(
-        node, str(INTEROP / "hbone_server.js"), json.dumps(cfg), stderr=subprocess.STDOUT
-    )
-    proc.wait_for_line("READY", timeout=15)
-    return proc
-
-
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("the double HBONE test needs Node.js (node) on PATH")
     certs = tmp_path_factory.mktemp("double-hbone-certs")
     extra = [
         PodSpec("gw", "n2", service_account=None, ztunnel=None, inpod_rules=False),
@@ -128,9 +109,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         start_b=False,
         config=config,
     ) as m:
-        echo = _node_server(m, "echo", "echo", certs, node, reply=MESSAGE.decode())
+        echo = start_echo(m, certs)
         forward = {"host": m.pods["echo"].ip4, "port": 15008}
-        gateway = _node_server(m, "gw", "actual-ew-gtw", certs, node, forward=forward)
+        gateway = start_server(m.pods["gw"], m.ca, "actual-ew-gtw", certs, forward=forward)
         # Warm up: ztunnel-a fetches pod a's certificate (and starts its renewal timer) now.
         with connect_from(m.a, REMOTE_VIP, 8080, timeout=10) as s:
             s.shutdown(1)
@@ -140,11 +121,16 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         echo.stop()
 
 
-def event(proc: NsProcess, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    while True:
-        ev: dict[str, Any] = json.loads(proc.wait_for_line("{", timeout=10))
-        if pred(ev):
-            return ev
+def start_echo(m: Mesh, certs: Path, service_account: str = "echo") -> NsProcess:
+    """The destination behind the gateway: answers MESSAGE, echoes, names itself in baggage."""
+    return start_server(
+        m.pods["echo"],
+        m.ca,
+        service_account,
+        certs,
+        reply=MESSAGE.decode(),
+        responseBaggage=ECHO_BAGGAGE,
+    )
 
 
 def test_double_hbone(bed: Bed) -> None:
@@ -178,6 +164,9 @@ def test_double_hbone(bed: Bed) -> None:
     )
     want: dict[str, object] = {
         "src.identity": SA_A,
+        # Rust with_derived_destination: the destination from the inner response's baggage
+        "dst.workload": "echo",
+        "dst.namespace": "echo-ns",
         "dst.addr": f"{bed.m.pods['gw'].ip4}:15008",
         "dst.hbone_addr": AUTHORITY,
         "dst.service": REMOTE_HOSTNAME,
@@ -188,6 +177,23 @@ def test_double_hbone(bed: Bed) -> None:
     }
     assert {k: rec.get(k) for k in want} == want, rec
     assert "error" not in rec
+    # ... and the metrics' destination labels (Rust CommonTrafficLabels::with_derived_destination)
+    opened = {
+        dict(labels)["destination_workload"]: dict(labels)
+        for (name, labels), v in parse_samples(scrape(bed.m.a).text).items()
+        if name == "istio_tcp_connections_opened_total" and v > 0
+    }
+    dst = opened["echo"]
+    assert (dst["destination_workload_namespace"], dst["destination_canonical_service"]) == (
+        "echo-ns",
+        "echo-app",
+    )
+    assert (dst["destination_canonical_revision"], dst["destination_cluster"]) == (
+        "v7",
+        "remote-cluster",
+    )
+    assert dst["destination_principal"] == SA_ECHO
+    assert dst["destination_service"] == REMOTE_HOSTNAME
 
 
 def test_double_hbone_gateway_by_service_hostname(bed: Bed) -> None:
@@ -213,10 +219,8 @@ def test_double_hbone_gateway_by_service_hostname(bed: Bed) -> None:
 def test_double_hbone_inner_identity_is_checked(bed: Bed, tmp_path: Path) -> None:
     """The inner tunnel must present the service's SAN: behind the same gateway, a destination
     with another identity is refused in the inner handshake, though the outer one succeeded."""
-    node = shutil.which("node")
-    assert node is not None
     bed.echo.stop()
-    impostor = _node_server(bed.m, "echo", "not-echo", tmp_path, node, reply=MESSAGE.decode())
+    impostor = start_echo(bed.m, tmp_path, "not-echo")
     since = len(bed.m.zta.records)
     try:
         with no_leaks(bed.m.zta), connect_from(bed.m.a, REMOTE_VIP, 8080, timeout=10) as s:
@@ -229,4 +233,4 @@ def test_double_hbone_inner_identity_is_checked(bed: Bed, tmp_path: Path) -> Non
         assert SA_ECHO in rec["error"], rec
     finally:
         impostor.stop()
-        bed.echo = _node_server(bed.m, "echo", "echo", tmp_path, node, reply=MESSAGE.decode())
+        bed.echo = start_echo(bed.m, tmp_path)

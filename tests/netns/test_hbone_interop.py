@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,13 +41,14 @@ from ztunnel.testing.hbone import (
 from ztunnel.testing.netns import Host, NsProcess, Pod
 from ztunnel.testing.proc import Record, ZtunnelProcess
 
+from .nodehbone import INTEROP, event, node_binary, start_server
+
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.usefixtures("require_root"),
     pytest.mark.timeout(60),
 ]
 
-INTEROP = Path(__file__).parent / "interop"
 NODE_CLIENT = Identity(TRUST_DOMAIN, "default", "node-client")
 SA_B = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-b"
 SA_A = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-a"
@@ -59,10 +57,7 @@ SA_E = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-e"
 
 @pytest.fixture(scope="module")
 def node() -> str:
-    path = shutil.which("node")
-    if path is None:
-        pytest.fail("the interop tests need Node.js (node) on PATH")
-    return path
+    return node_binary()
 
 
 @dataclass
@@ -91,20 +86,7 @@ def bed(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         extra_env={"POOL_UNUSED_RELEASE_TIMEOUT": "200ms"}, extra_pods=extra, external=True
     ) as m:
         client_files = write_cert_files(m.ca.issue(NODE_CLIENT), certs, "node-client")
-        server_files = write_cert_files(
-            m.ca.issue(Identity(TRUST_DOMAIN, "default", "sa-e")), certs, "node-server"
-        )
-        cfg = {
-            "port": 15008,
-            "cert": str(server_files.cert),
-            "key": str(server_files.key),
-            "ca": str(server_files.ca),
-            "trustDomain": TRUST_DOMAIN,
-        }
-        server = m.pods["e"].popen(
-            node, str(INTEROP / "hbone_server.js"), json.dumps(cfg), stderr=subprocess.STDOUT
-        )
-        server.ready_line = server.wait_for_line("READY", timeout=15)
+        server = start_server(m.pods["e"], m.ca, "sa-e", certs)
         # Warm up: both ztunnels fetch their certificates (and start renewal timers) now, so
         # the per-test baselines are steady.
         echo = start_app(m.b, "echo", ports=(9300,))
@@ -138,11 +120,7 @@ def node_client(
 
 def server_event(b: Bed, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     """The next JSON line from the node server matching ``pred``."""
-    while True:
-        line = b.server.wait_for_line("{", timeout=10)
-        ev: dict[str, Any] = json.loads(line)
-        if pred(ev):
-            return ev
+    return event(b.server, pred)
 
 
 def inbound_complete(zt: ZtunnelProcess, since: int, authority: str) -> Record:

@@ -11,17 +11,13 @@ themselves have no pod: traffic to them must never leave for anywhere but the wa
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from ztunnel.core.identity import Identity
 from ztunnel.testing.apps import connect_from, recv_all
 from ztunnel.testing.hbone import (
     TRUST_DOMAIN,
@@ -30,12 +26,11 @@ from ztunnel.testing.hbone import (
     mesh,
     no_leaks,
     workload_yaml,
-    write_cert_files,
 )
 from ztunnel.testing.netns import NsProcess, Pod
 from ztunnel.testing.proc import Record
 
-from .test_hbone_interop import INTEROP
+from .nodehbone import event, start_server
 
 pytestmark = [
     pytest.mark.netns,
@@ -114,9 +109,6 @@ class Bed:
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("the waypoint tests need Node.js (node) on PATH")
     certs = tmp_path_factory.mktemp("waypoint-certs")
     extra = [PodSpec("waypoint", "n2", service_account=None, ztunnel=None, inpod_rules=False)]
     with mesh(
@@ -125,21 +117,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         start_b=False,
         config=waypoint_config,
     ) as m:
-        files = write_cert_files(
-            m.ca.issue(Identity(TRUST_DOMAIN, "default", "waypoint")), certs, "waypoint"
+        server = start_server(
+            m.pods["waypoint"], m.ca, "waypoint", certs, reply=WAYPOINT_MESSAGE.decode()
         )
-        cfg = {
-            "port": 15008,
-            "cert": str(files.cert),
-            "key": str(files.key),
-            "ca": str(files.ca),
-            "trustDomain": TRUST_DOMAIN,
-            "reply": WAYPOINT_MESSAGE.decode(),
-        }
-        server = m.pods["waypoint"].popen(
-            node, str(INTEROP / "hbone_server.js"), json.dumps(cfg), stderr=subprocess.STDOUT
-        )
-        server.wait_for_line("READY", timeout=15)
         # Warm up: ztunnel-a fetches pod a's certificate (and starts its renewal timer) now,
         # so the per-test baselines are steady.
         with connect_from(m.a, SERVER_BY_IP, 9999, timeout=10) as s:
@@ -150,10 +130,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
 
 
 def server_event(b: Bed, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    while True:
-        ev: dict[str, Any] = json.loads(b.server.wait_for_line("{", timeout=10))
-        if pred(ev):
-            return ev
+    return event(b.server, pred)
 
 
 def through_waypoint(b: Bed, ip: str, port: int, data: bytes) -> tuple[Record, dict[str, Any]]:

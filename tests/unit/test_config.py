@@ -53,7 +53,9 @@ def test_dedicated_mode() -> None:
 
 def test_cluster_id_fallback() -> None:
     assert Config.from_env({"ISTIO_META_CLUSTER_ID": "c2"}).cluster_id == "c2"
-    assert Config.from_env({"CLUSTER_ID": "c1", "ISTIO_META_CLUSTER_ID": "c2"}).cluster_id == "c1"
+    # Rust construct_config: ISTIO_META_CLUSTER_ID wins over CLUSTER_ID.
+    assert Config.from_env({"CLUSTER_ID": "c1", "ISTIO_META_CLUSTER_ID": "c2"}).cluster_id == "c2"
+    assert Config.from_env({"CLUSTER_ID": "c1"}).cluster_id == "c1"
 
 
 @pytest.mark.parametrize(
@@ -81,7 +83,7 @@ def test_headers_and_flags() -> None:
     [
         ({"PROXY_MODE": "sidecar"}, "PROXY_MODE"),
         ({"PROXY_MODE": "dedicated"}, "PROXY_WORKLOAD_INFO"),
-        ({"PROXY_WORKLOAD_INFO": "a/b"}, "PROXY_WORKLOAD_INFO"),
+        ({"PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "a/b"}, "PROXY_WORKLOAD_INFO"),
         ({"PACKET_MARK": "lots"}, "PACKET_MARK"),
         ({"PACKET_MARK": "-1"}, "PACKET_MARK"),
         ({"IPV6_ENABLED": "maybe"}, "IPV6_ENABLED"),
@@ -147,3 +149,26 @@ def test_metrics_flush_interval() -> None:
         with pytest.raises(ConfigError) as info:
             Config.from_env({"ZTUNNEL_METRICS_FLUSH_INTERVAL": bad})
         assert info.value.var == "ZTUNNEL_METRICS_FLUSH_INTERVAL"
+
+
+def test_hostile_peer_limits() -> None:
+    """Issue 13 (Python-only knobs, README "Security")."""
+    c = Config.from_env({})
+    assert (c.h2_max_control_frames, c.h2_max_window_updates, c.h2_max_empty_frames) == (
+        1000,
+        10_000,
+        100,
+    )
+    assert (c.h2_max_early_resets, c.h2_max_continuations, c.fd_reserve) == (200, 32, None)
+    c = Config.from_env(
+        {
+            "ZTUNNEL_H2_MAX_CONTROL_FRAMES": "50",
+            "ZTUNNEL_H2_MAX_EARLY_RESETS": "7",
+            "ZTUNNEL_H2_MAX_CONTINUATIONS": "4",
+            "ZTUNNEL_FD_RESERVE": "100",
+        }
+    )
+    assert (c.h2_max_control_frames, c.h2_max_early_resets, c.h2_max_continuations) == (50, 7, 4)
+    assert c.fd_reserve == 100
+    with pytest.raises(ConfigError, match="ZTUNNEL_H2_MAX_EMPTY_FRAMES"):
+        Config.from_env({"ZTUNNEL_H2_MAX_EMPTY_FRAMES": "0"})

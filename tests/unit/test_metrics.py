@@ -290,6 +290,7 @@ def test_open_for_record_gates_source_principal_on_mtls(reg: CollectorRegistry) 
         dst_service = SVC
         src_identity = CLIENT.identity
         dst_identity = None
+        dst_derived = None
 
     m = Metrics(reg, process=False)
     plain = m.open_for_record(Rec(), mtls=False)
@@ -453,6 +454,7 @@ def test_open_for_record_memo_matches_the_labels_and_follows_new_objects(
         dst_service = SVC
         src_identity = CLIENT.identity
         dst_identity = None
+        dst_derived = None
 
     m = Metrics(reg, process=False)
     first = m.open_for_record(Rec(), mtls=True)
@@ -480,3 +482,44 @@ def test_open_for_record_memo_matches_the_labels_and_follows_new_objects(
     rec.dst_workload = dataclasses.replace(SERVER, namespace="elsewhere")
     third = m.open_for_record(rec, mtls=True)
     assert as_dict(third.labels)["destination_workload_namespace"] == "elsewhere"
+
+
+def test_guard_events_count_by_reason(reg: CollectorRegistry) -> None:
+    """Issue 13: refusals and cuts by a limit or a protocol defence (Python-only metric)."""
+    m = Metrics(reg, process=False)
+    m.guard_event("h2_flood")
+    m.guard_event("h2_flood")
+    m.guard_event("fd_budget_connection")
+    text = encode(reg).decode()
+    assert 'ztunnel_guard_events_total{reason="h2_flood"} 2' in text
+    assert 'ztunnel_guard_events_total{reason="fd_budget_connection"} 1' in text
+
+
+def test_destination_from_derived_baggage() -> None:
+    """Rust CommonTrafficLabels::with_derived_destination (double HBONE): the destination_*
+    labels come from the inner tunnel's response baggage, destination_app from its workload
+    name, the principal from the TLS peer; the gateway workload's own labels are not used."""
+    from ztunnel.hbone.headers import parse_baggage
+
+    derived = parse_baggage(
+        "k8s.cluster.name=c2,k8s.namespace.name=ns2,k8s.deployment.name=echo,"
+        "service.name=echo-app,service.version=v7,"
+        "cloud.region=r2,cloud.availability_zone=z2"
+    )
+    peer = Identity("cluster.local", "ns2", "echo")
+    got = as_dict(
+        traffic_labels(
+            Reporter.SOURCE,
+            source=CLIENT,
+            destination=SERVER,  # the gateway, as the route names it
+            destination_identity=peer,
+            destination_baggage=derived,
+        )
+    )
+    assert got["destination_workload"] == "echo"
+    assert got["destination_workload_namespace"] == "ns2"
+    assert got["destination_canonical_service"] == "echo-app"
+    assert got["destination_canonical_revision"] == "v7"
+    assert got["destination_app"] == "echo" and got["destination_version"] == "v7"
+    assert got["destination_cluster"] == "c2"
+    assert got["destination_principal"] == str(peer)

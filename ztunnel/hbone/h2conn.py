@@ -42,13 +42,29 @@ Errors
   (RST_STREAM queued) and a :class:`StreamReset` with ``remote=False`` is emitted.
 * Calling the API in a way HTTP/2 forbids raises :class:`LocalProtocolError` (for example
   :class:`StreamClosedError`); the connection is unchanged.
+
+Hostile peers (:class:`FloodLimits`)
+-----------------------------------
+What a peer can make us spend is bounded by what it sends. Frames that carry no payload but cost
+work or a reply (PING, SETTINGS, PRIORITY, RST_STREAM, GOAWAY, unknown types, refused and reset
+streams), WINDOW_UPDATEs, empty DATA and header fragments, and streams reset before their
+response (rapid reset, CVE-2023-44487) each have a budget per time window; past it the
+connection ends with GOAWAY ENHANCE_YOUR_CALM. A budget is one integer decrement per frame; the
+clock is read only when one runs out. A header block may have at most ``max_continuations``
+CONTINUATION frames and a bounded size (CVE-2024-27316); a SETTINGS frame is applied in one pass
+(an INITIAL_WINDOW_SIZE change touches each stream once, whatever the number of entries) and may
+carry at most ``max_settings_entries``. With ``hold_streams=True`` a peer-initiated stream keeps
+counting against MAX_CONCURRENT_STREAMS, and the bytes received on it against the connection
+window, until the application calls :meth:`H2Connection.release_stream` (its work really ended),
+however early the peer reset it.
 """
 
 from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, TypeAlias
@@ -313,6 +329,49 @@ class Settings:
     enable_connect_protocol: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class FloodLimits:
+    """Per-connection budgets against floods (nghttp2's and Envoy's defences); each count is per
+    ``window`` seconds and exceeding it ends the connection with ENHANCE_YOUR_CALM."""
+
+    window: float = 1.0
+    control_frames: int = 1000  # PING, SETTINGS, PRIORITY, RST_STREAM, GOAWAY, unknown, refusals
+    window_updates: int = 10_000  # WINDOW_UPDATE frames
+    empty_frames: int = 100  # DATA without payload or END_STREAM, empty header fragments
+    early_resets: int = 200  # peer streams reset before we answered them (rapid reset)
+    max_continuations: int = 32  # CONTINUATION frames in one header block
+    max_settings_entries: int = 32  # entries in one SETTINGS frame (nghttp2's default)
+
+
+DEFAULT_FLOOD_LIMITS: Final = FloodLimits()
+
+
+class _Budget:
+    """A count per time window: :meth:`spend` is called when ``left`` went negative."""
+
+    __slots__ = ("clock", "left", "limit", "name", "since", "window")
+
+    def __init__(self, name: str, limit: int, window: float, clock: Callable[[], float]) -> None:
+        self.name = name
+        self.limit = limit
+        self.window = window
+        self.clock = clock
+        self.left = limit
+        self.since = clock()
+
+    def refill_or_raise(self) -> None:
+        now = self.clock()
+        if now - self.since >= self.window:
+            self.since = now
+            self.left += self.limit  # (left is -1 or below: what was spent is charged)
+            if self.left >= 0:
+                return
+        raise RemoteProtocolError(
+            ErrorCode.ENHANCE_YOUR_CALM,
+            f"flood: more than {self.limit} {self.name} in {self.window:g}s",
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Header validation (RFC 9113 8.2, 8.3)
 
@@ -559,6 +618,7 @@ class _Stream:
         "closed",
         "headers_received",
         "headers_sent",
+        "held",
         "local",
         "local_closed",
         "recv_pending",
@@ -581,6 +641,7 @@ class _Stream:
         self.recv_window = recv_window  # what the peer may still send
         self.recv_pending = 0  # acknowledged by the app, not yet returned by WINDOW_UPDATE
         self.unacked = 0  # delivered to the app, not yet acknowledged
+        self.held = False  # counted until release_stream (hold_streams)
 
 
 class H2Connection:
@@ -608,6 +669,9 @@ class H2Connection:
         max_concurrent_streams: int | None = None,
         max_header_list_size: int | None = None,
         send_frame_size: int = DEFAULT_SEND_FRAME_SIZE,
+        limits: FloodLimits = DEFAULT_FLOOD_LIMITS,
+        hold_streams: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 <= initial_window_size <= MAX_WINDOW:
             raise ValueError(f"initial_window_size out of range: {initial_window_size}")
@@ -651,6 +715,16 @@ class H2Connection:
         self._highest_remote = 0
         self._local_open = 0
         self._remote_open = 0
+        # hold_streams: closed peer streams not yet released -> bytes still owed to the window.
+        self._hold_streams = hold_streams
+        self._held: dict[int, int] = {}
+        self._limits = limits
+        w = limits.window
+        self._ctl = _Budget("control frames", limits.control_frames, w, clock)
+        self._wu = _Budget("WINDOW_UPDATE frames", limits.window_updates, w, clock)
+        self._empty = _Budget("empty frames", limits.empty_frames, w, clock)
+        self._early_rst = _Budget("early stream resets", limits.early_resets, w, clock)
+        self._cont_frames = 0
 
         self._conn_send_window = DEFAULT_WINDOW
         self._conn_recv_window = connection_window_size
@@ -977,6 +1051,11 @@ class H2Connection:
             raise ValueError(f"negative acknowledgement: {n}")
         st = self._streams.get(stream_id)
         if st is None:
+            owed = self._held.get(stream_id)
+            if owed:  # a closed stream the app still holds: its bytes go back now
+                n = min(n, owed)
+                self._held[stream_id] = owed - n
+                self._release_conn(n)
             return
         left = st.unacked - n
         if left < 0:
@@ -998,6 +1077,37 @@ class H2Connection:
                 st.recv_window += p
                 p = 0
             st.recv_pending = p
+
+    def release_stream(self, stream_id: int) -> None:
+        """``hold_streams``: the application's work for a peer stream has ended. Until now the
+        stream counted against MAX_CONCURRENT_STREAMS (even once closed) and the bytes delivered
+        on it against the connection window; both are returned. The stream itself is left as it
+        is (close or reset it first). Unknown or already released streams are ignored."""
+        st = self._streams.get(stream_id)
+        if st is not None:
+            st.held = False
+            return
+        owed = self._held.pop(stream_id, None)
+        if owed:
+            self._release_conn(owed)
+
+    def charge(self, n: int = 1) -> RemoteProtocolError | None:
+        """Count ``n`` units of work the peer caused outside the parser (a request the
+        application refused as malformed) against the control-frame budget. When that exhausts
+        it the connection is closed (GOAWAY ENHANCE_YOUR_CALM queued) and the error returned."""
+        if self._closed:
+            return None
+        try:
+            self._spend_control(n)
+        except RemoteProtocolError as exc:
+            self._terminate(exc, [])
+            return exc
+        return None
+
+    @property
+    def held_streams(self) -> int:
+        """Closed peer streams not yet released (``hold_streams``)."""
+        return len(self._held)
 
     def ping(self, opaque: bytes | None = None) -> bytes:
         """Send a PING; returns its 8 opaque bytes (matched by a later :class:`PingAcked`)."""
@@ -1182,6 +1292,8 @@ class H2Connection:
                                     mv = memoryview(data)
                                 st.unacked += length
                                 events.append(DataReceived(sid, mv[pos + 9 : end], length))
+                        elif not flags & FLAG_END_STREAM:
+                            self._spend_empty()
                         if st is not None and flags & FLAG_END_STREAM:
                             self._remote_end(st, events)
                         pos = end
@@ -1220,7 +1332,9 @@ class H2Connection:
             self._data_remaining = length
             self._data_stream = st
             self._data_end = bool(flags & FLAG_END_STREAM)
-        elif st is not None and flags & FLAG_END_STREAM:
+        elif not flags & FLAG_END_STREAM:
+            self._spend_empty()
+        elif st is not None:
             self._remote_end(st, events)
 
     def _begin_data(self, sid: int, length: int, events: list[Event]) -> _Stream | None:
@@ -1291,13 +1405,26 @@ class H2Connection:
     ) -> None:
         if ftype == HEADERS:
             self._on_headers(flags, sid, payload, events)
-        elif ftype == CONTINUATION:
+            return
+        if ftype == CONTINUATION:
             self._on_continuation(flags, sid, payload, events)
-        elif ftype == DATA:
+            return
+        if ftype == DATA:
             self._padded_data(sid, flags, payload, events)
-        elif ftype == WINDOW_UPDATE:
+            return
+        if ftype == WINDOW_UPDATE:
+            wu = self._wu
+            wu.left -= 1
+            if wu.left < 0:
+                wu.refill_or_raise()
             self._on_window_update(sid, payload, events)
-        elif ftype == SETTINGS:
+            return
+        # Everything else is a control frame: no payload for the app, work or a reply for us.
+        ctl = self._ctl
+        ctl.left -= 1
+        if ctl.left < 0:
+            ctl.refill_or_raise()
+        if ftype == SETTINGS:
             self._on_settings(flags, sid, payload, events)
         elif ftype == PING:
             if sid:
@@ -1317,7 +1444,20 @@ class H2Connection:
             self._on_priority(sid, payload, events)
         elif ftype == PUSH_PROMISE:
             raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE (push is disabled)")
-        # Unknown frame types are ignored (RFC 9113 4.1, 5.5).
+        # Unknown frame types are ignored (RFC 9113 4.1, 5.5), after counting them above.
+
+    def _spend_empty(self) -> None:
+        """A frame with no payload that does nothing (CVE-2019-9518)."""
+        e = self._empty
+        e.left -= 1
+        if e.left < 0:
+            e.refill_or_raise()
+
+    def _spend_control(self, n: int = 1) -> None:
+        c = self._ctl
+        c.left -= n
+        if c.left < 0:
+            c.refill_or_raise()
 
     def _on_settings(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
         if sid:
@@ -1329,9 +1469,19 @@ class H2Connection:
             return
         if len(payload) % 6:
             raise RemoteProtocolError(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS length not 6n")
+        if len(payload) // 6 > self._limits.max_settings_entries:
+            raise RemoteProtocolError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"SETTINGS with more than {self._limits.max_settings_entries} entries",
+            )
+        if len(payload) >= 48:
+            self._spend_control(len(payload) // 48)  # one unit per 8 entries, beyond the frame
         self._awaiting_settings = False
         remote = self._remote
         changed: dict[int, int] = {}
+        # One pass over the entries (later ones win, RFC 9113 6.5.3); the resulting
+        # INITIAL_WINDOW_SIZE change is applied to the streams once, after the loop.
+        old_window = remote.initial_window_size
         for off in range(0, len(payload), 6):
             ident, value = _SETTING.unpack_from(payload, off)
             if ident == SettingCode.HEADER_TABLE_SIZE:
@@ -1341,7 +1491,10 @@ class H2Connection:
                 size = min(value, _DEFAULT_HEADER_TABLE)
                 if size != self._header_table_size:
                     self._header_table_size = size
-                    self._table_size_updates.append(size)
+                    # Only the smallest and the last matter (RFC 7541 4.2): at most two.
+                    u = self._table_size_updates
+                    low = min([*u, size])
+                    u[:] = [size] if low == size else [low, size]
             elif ident == SettingCode.ENABLE_PUSH:
                 if value > 1 or (self.client and value):
                     raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "bad ENABLE_PUSH")
@@ -1353,18 +1506,7 @@ class H2Connection:
                     raise RemoteProtocolError(
                         ErrorCode.FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE too large"
                     )
-                delta = value - remote.initial_window_size
                 remote.initial_window_size = value
-                if delta:
-                    for st in self._streams.values():
-                        w = st.send_window + delta
-                        if w > MAX_WINDOW:
-                            raise RemoteProtocolError(
-                                ErrorCode.FLOW_CONTROL_ERROR, "stream window overflow"
-                            )
-                        st.send_window = w
-                        if delta > 0 and not st.local_closed:
-                            events.append(WindowUpdated(st.sid, delta))
             elif ident == SettingCode.MAX_FRAME_SIZE:
                 if not MIN_MAX_FRAME_SIZE <= value <= MAX_MAX_FRAME_SIZE:
                     raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
@@ -1381,6 +1523,19 @@ class H2Connection:
             else:
                 continue  # unknown settings are ignored
             changed[ident] = value
+        delta = remote.initial_window_size - old_window
+        if delta:
+            # Touching every stream is work the peer did not pay for: charge it.
+            self._spend_control(len(self._streams) // 16)
+            for st in self._streams.values():
+                w = st.send_window + delta
+                if w > MAX_WINDOW:
+                    raise RemoteProtocolError(
+                        ErrorCode.FLOW_CONTROL_ERROR, "stream window overflow"
+                    )
+                st.send_window = w
+                if delta > 0 and not st.local_closed:
+                    events.append(WindowUpdated(st.sid, delta))
         self._out.append(_pack_hdr(SETTINGS, FLAG_ACK, 0))
         events.append(
             RemoteSettingsChanged(
@@ -1433,6 +1588,12 @@ class H2Connection:
                 raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on idle stream")
             return
         code = as_error_code(_U32.unpack(payload)[0])
+        if not st.local and not st.headers_sent:
+            # Reset before we answered: the rapid-reset pattern (CVE-2023-44487).
+            e = self._early_rst
+            e.left -= 1
+            if e.left < 0:
+                e.refill_or_raise()
         self._close_stream(st, _RESET_REMOTE)
         events.append(StreamReset(sid, code, True))
 
@@ -1489,10 +1650,13 @@ class H2Connection:
         if flags & FLAG_END_HEADERS:
             self._on_header_block(sid, fragment, flags, self_dep, events)
         else:
+            if not fragment:
+                self._spend_empty()
             self._cont_sid = sid
             self._cont_block = bytearray(fragment)
             self._cont_flags = flags
             self._cont_self_dep = self_dep
+            self._cont_frames = 0
 
     def _on_continuation(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
         if not self._cont_sid:  # (a CONTINUATION for another stream fails _check_header)
@@ -1501,6 +1665,16 @@ class H2Connection:
         block += payload
         if len(block) > self._max_block:
             raise RemoteProtocolError(ErrorCode.ENHANCE_YOUR_CALM, "header block too large")
+        # CVE-2024-27316: a bounded number of CONTINUATION frames per block, and empty ones
+        # count as empty frames.
+        self._cont_frames += 1
+        if self._cont_frames > self._limits.max_continuations:
+            raise RemoteProtocolError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"more than {self._limits.max_continuations} CONTINUATION frames in a header block",
+            )
+        if not payload and not flags & FLAG_END_HEADERS:
+            self._spend_empty()
         if flags & FLAG_END_HEADERS:
             self._cont_sid = 0
             self._cont_block = bytearray()
@@ -1585,9 +1759,11 @@ class H2Connection:
             self._remember_closed(sid, _RESET_LOCAL)
             return
         limit = self._local.max_concurrent_streams
+        # Streams closed but not released (hold_streams) still count: their work goes on.
         if (self._goaway_sent and sid > self._goaway_last) or (
-            limit is not None and self._remote_open >= limit
+            limit is not None and self._remote_open + len(self._held) >= limit
         ):
+            self._spend_control()  # a reply we queue for nothing
             self._out.append(rst(_RST_LT, 0, sid, ErrorCode.REFUSED_STREAM))
             self._remember_closed(sid, _RESET_LOCAL)
             return
@@ -1600,11 +1776,13 @@ class H2Connection:
             if hlimit is not None and size > hlimit:
                 raise _Malformed("header list too large")
         except _Malformed:
+            self._spend_control()
             self._out.append(rst(_RST_LT, 0, sid, ErrorCode.PROTOCOL_ERROR))
             self._remember_closed(sid, _RESET_LOCAL)
             return
         st = _Stream(sid, False, self._remote.initial_window_size, self._local.initial_window_size)
         st.headers_received = True
+        st.held = self._hold_streams
         self._streams[sid] = st
         self._remote_open += 1
         events.append(
@@ -1667,10 +1845,12 @@ class H2Connection:
             raise RemoteProtocolError(
                 ErrorCode.PROTOCOL_ERROR, f"{kind} on unexpected stream id {sid}"
             )
+        self._spend_control()
         self._out.append(_FRAME_U32.pack(_RST_LT, 0, sid, ErrorCode.STREAM_CLOSED))
         self._remember_closed(sid, _RESET_LOCAL)
 
     def _stream_error(self, st: _Stream, code: int, events: list[Event]) -> None:
+        self._spend_control()
         self._out.append(_FRAME_U32.pack(_RST_LT, 0, st.sid, code))
         self._close_stream(st, _RESET_LOCAL)
         events.append(StreamReset(st.sid, as_error_code(code), False))
@@ -1695,9 +1875,12 @@ class H2Connection:
             self._local_open -= 1
         else:
             self._remote_open -= 1
-        if st.unacked:
+        if st.held:
+            # Still counted, and what the app was given still owed, until release_stream.
+            self._held[st.sid] = st.unacked
+        elif st.unacked:
             self._release_conn(st.unacked)
-            st.unacked = 0
+        st.unacked = 0
         self._remember_closed(st.sid, reason)
 
     def _remember_closed(self, sid: int, reason: int) -> None:

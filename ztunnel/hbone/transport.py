@@ -28,12 +28,22 @@ from dataclasses import dataclass
 
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone.clienthello import (
+    NO_APPLICATION_PROTOCOL_ALERT,
+    NotClientHello,
+    parse_client_hello,
+)
 from ztunnel.identity.tls import peer_identity
 from ztunnel.net.copy import CopyCounters
 
 log = logging.getLogger("ztunnel.hbone")
 
 _RECV_SIZE = 256 * 1024
+# A peer whose frames are tiny (more than one HTTP/2 event per 64 bytes of plaintext: 1-byte
+# DATA frames, say) makes each byte cost as much as a frame; such a connection (and a new one,
+# until its input shows large frames) is read this much at a time, one read per callback, so it
+# cannot hold the loop for long (fairness, not a limit).
+_SMALL_RECV = 16 * 1024
 _PLAIN_SIZE = 512 * 1024
 _TCP_READ = 256 * 1024  # the most a stream reads from its TCP socket at once
 
@@ -97,6 +107,7 @@ class _TxBuffer:
 
 _scratch = _Scratch()
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
+_CONTROL_BACKLOG = 64 * 1024  # stop reading a peer that left this much of our replies unread
 # Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
 # read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
 # it without telling us, so bytes or an error left unread would strand the connection for good.
@@ -118,9 +129,17 @@ class ConnectionLost(HboneError):
     pass
 
 
+class AlpnRefused(HboneError):
+    """The client offered ALPN without ``h2`` (refused with no_application_protocol, as rustls)."""
+
+
 def _socket_error(sock: socket.socket) -> OSError | None:
-    """The socket's pending error (as recv would raise it), consuming it; None if there is none."""
-    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    """The socket's pending error (as recv would raise it), consuming it; None if there is none
+    (or if the socket was closed meanwhile: whoever closed it has already handled its end)."""
+    try:
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    except OSError:  # (EBADF: closed by a teardown during this callback)
+        return None
     return OSError(err, os.strerror(err)) if err else None  # OSError picks the errno subclass
 
 
@@ -130,11 +149,16 @@ async def tls_handshake(
     *,
     server_side: bool,
     timeout: float = _HANDSHAKE_TIMEOUT,
+    require_alpn: bytes | None = None,
 ) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
-    """Run a TLS handshake on a connected non-blocking socket. No SNI is sent (reference 2.1)."""
+    """Run a TLS handshake on a connected non-blocking socket. No SNI is sent (reference 2.1).
+
+    ``require_alpn`` (server side): a client whose ClientHello offers ALPN without it is refused
+    with a no_application_protocol alert (:class:`AlpnRefused`); one offering no ALPN is not."""
     loop = asyncio.get_running_loop()
     inbio, outbio = ssl.MemoryBIO(), ssl.MemoryBIO()
     sslobj = ctx.wrap_bio(inbio, outbio, server_side=server_side, server_hostname=None)
+    hello: bytearray | None = bytearray() if server_side and require_alpn else None
     async with asyncio.timeout(timeout):
         while True:
             try:
@@ -156,6 +180,23 @@ async def tls_handshake(
             data = await loop.sock_recv(sock, 65536)
             if not data:
                 raise ConnectionLost("peer closed the connection during the TLS handshake")
+            if hello is not None:
+                # Hold the first bytes back until the ClientHello is complete (see clienthello).
+                hello += data
+                try:
+                    parsed = parse_client_hello(hello)
+                except NotClientHello:
+                    parsed = None  # OpenSSL rejects it its own way
+                else:
+                    if parsed is None:
+                        continue
+                    assert require_alpn is not None
+                    if parsed.refuses(require_alpn):
+                        with contextlib.suppress(OSError):
+                            sock.send(NO_APPLICATION_PROTOCOL_ALERT)
+                        offered = b",".join(parsed.alpn or ()).decode("latin-1")
+                        raise AlpnRefused(f"client offered ALPN {offered!r} without h2")
+                data, hello = bytes(hello), None
             inbio.write(data)
 
 
@@ -300,6 +341,8 @@ class StreamBridge:
             self.tcp_to_h2 += n
             self.counters.down_to_up += n
             conn.send_frames(tx.view[:size])
+            if self._finished:  # (the connection failed while sending: already torn down)
+                return
             if n < want:  # drained: see _READ_BATCH
                 if (err := _socket_error(sock)) is not None:
                     self.abort(err)
@@ -466,6 +509,12 @@ class HboneConnection:
         self._ping_sent: float | None = None
         self._keepalive: asyncio.TimerHandle | None = None
         self.goaway = False
+        self._input_paused = False  # the peer stopped reading: so do we (see _read_and_dispatch)
+        self._ctl_backlog = 0  # control bytes queued behind unsent output
+        # The peer's frames are tiny: read little at a time. Until its input shows otherwise, so
+        # that not even the first read of a connection can be 256 KiB of 1-byte frames.
+        self._small_reads = True
+        self.protocol_error: h2.RemoteProtocolError | None = None  # why we sent a GOAWAY
         self.loop.add_reader(self.fd, self._on_readable)
         if keepalive:
             self._keepalive = self.loop.call_later(KEEPALIVE_INTERVAL, self._on_keepalive)
@@ -491,8 +540,11 @@ class HboneConnection:
             return
         bufs = self.h2.data_to_send()
         if bufs:
+            data = bufs[0] if len(bufs) == 1 else b"".join(bufs)
+            if self._out:  # (the socket is backlogged: count what we add to it)
+                self._ctl_backlog += len(data)
             try:
-                self._tls_write(bufs[0] if len(bufs) == 1 else b"".join(bufs))
+                self._tls_write(data)
             except ssl.SSLError as e:
                 self._fail(e)
                 return
@@ -528,6 +580,7 @@ class HboneConnection:
                 self._fail(e)
                 return
             if n == len(record):
+                self._ctl_backlog = 0  # the peer reads: nothing is backlogged
                 return
         cipher = memoryview(record)[n:]
         if self._closing:
@@ -555,6 +608,10 @@ class HboneConnection:
             self._out.pop(0)
         self.loop.remove_writer(self.fd)
         self._writer_armed = False
+        self._ctl_backlog = 0
+        if self._input_paused:
+            self._input_paused = False
+            self.loop.add_reader(self.fd, self._on_readable)
         if self._blocked_bridges:
             blocked, self._blocked_bridges = self._blocked_bridges, set()
             for b in blocked:
@@ -564,15 +621,24 @@ class HboneConnection:
 
     def _on_readable(self) -> None:
         # Read until EAGAIN (see _READ_BATCH), yielding to other callbacks now and then.
+        if self._input_paused:  # (a call_soon continuation from before the pause)
+            return
         try:
             for _ in range(_READ_BATCH):
                 if not self._read_and_dispatch():
                     return
+                if self._small_reads:
+                    break  # (frame-dense input: one small read per turn)
         except Exception as e:  # a bug: fail this connection, keep serving the others
             log.exception("HBONE connection failed on an internal error")
             self._fail(e)
             return
         self.loop.call_soon(self._on_readable)
+
+    def _pause_input(self) -> None:
+        if not self._input_paused:
+            self._input_paused = True
+            self.loop.remove_reader(self.fd)
 
     def _read_and_dispatch(self) -> bool:
         """One read; True if the socket may have more (and the connection is still up)."""
@@ -580,8 +646,9 @@ class HboneConnection:
             return False
         sock = self.sock
         scratch = _scratch  # this thread's buffers
+        limit = _SMALL_RECV if self._small_reads else _RECV_SIZE
         try:
-            n = sock.recv_into(scratch.recv)
+            n = sock.recv_into(scratch.recv, limit)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:
@@ -626,9 +693,17 @@ class HboneConnection:
                 break
         if self.h2.has_output or self.outbio.pending:  # (WINDOW_UPDATE, ACKs, RST, alerts)
             self.flush()
-            if self.closed.done():
-                return False
-        if n < _RECV_SIZE:  # drained: see _READ_BATCH
+        if self._closing or self.closed.done():
+            return False
+        if self._ctl_backlog >= _CONTROL_BACKLOG:
+            # The peer does not read the replies it makes us queue (PING and SETTINGS ACKs,
+            # RST_STREAM, WINDOW_UPDATE): read no more from it until our output drains
+            # (_on_writable resumes). DATA is not counted: bridges stop at _HIGH_WATER, and a
+            # connection that stopped reading on bulk backlog alone could deadlock with a peer
+            # doing the same.
+            self._pause_input()
+            return False
+        if n < limit:  # drained: see _READ_BATCH
             if (err := _socket_error(sock)) is not None:
                 self._fail(err)
             return False
@@ -639,9 +714,19 @@ class HboneConnection:
             return
         try:
             events = self.h2.receive_data(data)
+            # Frame-dense input is read in small pieces (see _SMALL_RECV), until a real sample
+            # (4 KiB or more) averages 256 bytes or more per event.
+            ne, nd = len(events), len(data)
+            if ne > (nd >> 6) + 8:
+                self._small_reads = True
+            elif self._small_reads and nd >= 4096 and ne << 8 < nd:
+                self._small_reads = False
         except h2.RemoteProtocolError as e:
-            self._dispatch(e.events)
+            # The GOAWAY goes out first, whatever the events do; the socket then closes
+            # gracefully so that the peer gets it (not a RST that would discard it).
             self.flush()
+            self.protocol_error = e
+            self._dispatch(e.events)
             self._fail(e)
             return
         self._dispatch(events)
@@ -705,6 +790,14 @@ class HboneConnection:
                 if (b := self._bridges.get(ev.stream_id)) is not None:
                     b.on_reset(ev.error_code)
                 elif (early := self._early.get(ev.stream_id)) is not None:
+                    if not h2.is_clean_reset(ev.error_code):
+                        # Nothing of it will be delivered: free the copies now.
+                        for e in early:
+                            if isinstance(e, h2.DataReceived):
+                                self.h2.acknowledge_received_data(
+                                    ev.stream_id, e.flow_controlled_length
+                                )
+                        early.clear()
                     early.append(ev)
             elif isinstance(ev, h2.PingAcked):
                 self._ping_sent = None
@@ -712,6 +805,7 @@ class HboneConnection:
                 self.goaway = True
                 self.loop.call_soon(self.close_if_idle)
             elif isinstance(ev, h2.ConnectionTerminated):
+                self.flush()  # (the GOAWAY)
                 self._fail(HboneError(f"HTTP/2 connection terminated: {ev.reason}"))
         if runs:
             _deliver_all(runs)
@@ -747,7 +841,8 @@ class HboneConnection:
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
-        self.loop.remove_reader(self.fd)
+        if not self._input_paused:
+            self.loop.remove_reader(self.fd)
         if self._writer_armed:
             self.loop.remove_writer(self.fd)
             self._writer_armed = False
@@ -767,8 +862,29 @@ class HboneConnection:
         self._early.clear()
         for b in list(self._bridges.values()):
             b.abort(exc)
-        self.sock.close()
+        if self.protocol_error is not None:
+            # (also with nothing left to send: closing with unread input would send a RST
+            # that purges a GOAWAY still in the kernel's send queue)
+            self._linger_close()
+        else:
+            self.sock.close()
         self.closed.set_result(error)
+
+    def _linger_close(self) -> None:
+        """After a GOAWAY for a protocol error: hand the socket to a bounded graceful close
+        (what is queued is sent, then FIN; input is discarded), so the peer reads the GOAWAY
+        instead of a RST that would discard it."""
+        # On a dup: whoever gave us the socket closes it when its handler returns (the Listener
+        # does), and closing an fd uvloop still watches would corrupt its state.
+        try:
+            sock = self.sock.dup()
+        except OSError:  # (out of fds: a plain close)
+            self.sock.close()
+            return
+        self.sock.close()
+        _LingeringClose(self.loop, sock, self._out)
+        self._out = []
+        self._out_size = 0
 
     def close(self) -> None:
         """Close now: GOAWAY (best effort), then drop the socket; streams fail."""
@@ -841,6 +957,35 @@ class HboneConnection:
             self.h2.send_response(stream_id, status, headers, end_stream=end_stream)
         self.flush()
 
+    def release_stream(self, stream_id: int) -> None:
+        """The work for a peer stream ended (its task is done): it stops counting against the
+        stream limit, and bytes still owed for it go back to the connection window."""
+        if self.closed.done():
+            return
+        self._early.pop(stream_id, None)
+        self.h2.release_stream(stream_id)
+        if self.h2.has_output:
+            self.flush()
+
+    def charge(self) -> None:
+        """The peer made us refuse a malformed request: count it against the control-frame
+        budget (h2conn.H2Connection.charge); past the budget the connection ends with GOAWAY."""
+        if self.closed.done():
+            return
+        exc = self.h2.charge()
+        if exc is not None:
+            self.protocol_error = exc
+            self.flush()
+            self._fail(exc)
+
+    def refuse(self, stream_id: int) -> None:
+        """Reset a peer stream with REFUSED_STREAM before any work (safe for it to retry)."""
+        if self.closed.done():
+            return
+        with contextlib.suppress(h2.ProtocolError):
+            self.h2.reset_stream(stream_id, h2.ErrorCode.REFUSED_STREAM)
+        self.flush()
+
     def abandon(self, stream_id: int) -> None:
         """No bridge will be attached to this stream: release what was buffered for it."""
         for ev in self._early.pop(stream_id, ()):
@@ -897,3 +1042,70 @@ def _deliver(b: StreamBridge, run: list[h2.DataReceived]) -> None:
 def _deliver_all(runs: dict[StreamBridge, list[h2.DataReceived]]) -> None:
     for b, run in runs.items():
         _deliver(b, run)
+
+
+_LINGER_SECONDS = 2.0
+_LINGER_DISCARD = 1 << 20
+
+
+class _LingeringClose:
+    """Send ``pending`` ciphertext, shut down writing, discard input until EOF, then close;
+    bounded by ``_LINGER_SECONDS`` and ``_LINGER_DISCARD`` bytes, whichever comes first."""
+
+    __slots__ = ("discarded", "fd", "loop", "pending", "sock", "timer", "writing")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, pending: list[memoryview]
+    ) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.pending = pending
+        self.discarded = 0
+        self.writing = False
+        self.timer = loop.call_later(_LINGER_SECONDS, self.close)
+        loop.add_reader(self.fd, self._on_readable)
+        self._on_writable()
+
+    def _on_writable(self) -> None:
+        while self.pending:
+            try:
+                n = self.sock.send(self.pending[0])
+            except (BlockingIOError, InterruptedError):
+                if not self.writing:
+                    self.writing = True
+                    self.loop.add_writer(self.fd, self._on_writable)
+                return
+            except OSError:
+                self.close()
+                return
+            if n < len(self.pending[0]):
+                self.pending[0] = self.pending[0][n:]
+            else:
+                self.pending.pop(0)
+        if self.writing:
+            self.writing = False
+            self.loop.remove_writer(self.fd)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
+    def _on_readable(self) -> None:
+        try:
+            data = self.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        self.discarded += len(data)
+        if not data or self.discarded > _LINGER_DISCARD:
+            self.close()
+
+    def close(self) -> None:
+        if self.sock.fileno() < 0:
+            return
+        self.timer.cancel()
+        self.loop.remove_reader(self.fd)
+        if self.writing:
+            self.loop.remove_writer(self.fd)
+        self.sock.close()

@@ -19,6 +19,7 @@ from typing import Literal, Protocol
 from ztunnel.core.identity import Identity
 
 from .certs import WorkloadCertificate
+from .tls import TLS_POLICY_MEMO, TlsPolicy
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class SecretManager:
         request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        tls_policy: TlsPolicy | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -117,6 +119,7 @@ class SecretManager:
         self._request_timeout = request_timeout
         self._clock = clock
         self._sleep = sleep
+        self._tls_policy = tls_policy
         self._entries: dict[Identity, _Entry] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -268,6 +271,9 @@ class SecretManager:
             raise CertificateMismatch(
                 f"CA returned an expired certificate (not_after {cert.not_after})"
             )
+        if self._tls_policy is not None:
+            policy = self._tls_policy
+            cert.memo(TLS_POLICY_MEMO, lambda: policy)  # before any context is built from it
         return cert
 
     def _next_backoff(self, entry: _Entry) -> float:

@@ -29,10 +29,13 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ztunnel.core.identity import Identity
 
+from . import osslverify
 from .certs import WorkloadCertificate, spiffe_identities, uri_sans
+from .crl import CrlManager
 
 ALPN_H2 = "h2"
 TLS13_CIPHERSUITES = "TLS_AES_256_GCM_SHA384:TLS_AES_128_GCM_SHA256"
@@ -74,10 +77,53 @@ def client_context(cert: WorkloadCertificate) -> ssl.SSLContext:
     return cert.memo(_CLIENT_MEMO_KEY, lambda: _build(cert, server_side=False))
 
 
+@dataclass(frozen=True, slots=True)
+class TlsPolicy:
+    """Process-wide TLS settings a ``SecretManager`` attaches to the certificates it hands out
+    (memo ``TLS_POLICY_MEMO``), so contexts built from them follow the config: ``tls12``
+    (``TLS12_ENABLED``: TLS 1.2 with ztunnel's four ECDHE AES-GCM suites next to 1.3) and
+    ``crl`` (``CRL_PATH``: every peer chain checked in the handshake)."""
+
+    tls12: bool = False
+    crl: CrlManager | None = None
+
+
+TLS_POLICY_MEMO = "tls.policy"
+TLS12_CIPHERS = (
+    "ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-ECDSA-AES128-GCM-SHA256:"
+    "ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-AES128-GCM-SHA256"
+)
+_DEFAULT_POLICY = TlsPolicy()
+
+
+def _handshake_check(
+    trust_domain: str | None, crl: CrlManager | None, reporter: str
+) -> osslverify.Check:
+    """The in-handshake check (``osslverify``): CRL revocation on every certificate but the
+    trust anchor (Rust ``verify_cert_chain``), and on the server the client leaf's trust
+    domain (Rust ``TrustDomainVerifier``), so a refused peer gets a TLS alert."""
+
+    def check(c: osslverify.ChainCheck) -> None:
+        if crl is not None and c.issuer is not None and crl.is_revoked(c.cert, c.issuer):
+            crl.rejected(reporter, f"serial {c.cert.serial_number:x} at depth {c.depth}")
+            raise osslverify.VerifyFailure(osslverify.X509_V_ERR_CERT_REVOKED, "revoked")
+        if (
+            trust_domain is not None
+            and c.depth == 0
+            and not any(i.trust_domain == trust_domain for i in spiffe_identities(c.cert))
+        ):
+            raise osslverify.VerifyFailure(osslverify.X509_V_ERR_CERT_REJECTED, "trust domain")
+
+    return check
+
+
 def _build(cert: WorkloadCertificate, *, server_side: bool) -> ssl.SSLContext:
+    policy = cert.memo(TLS_POLICY_MEMO, lambda: _DEFAULT_POLICY)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2 if policy.tls12 else ssl.TLSVersion.TLSv1_3
     ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+    if policy.tls12:
+        ctx.set_ciphers(TLS12_CIPHERS)
     set_suites = getattr(ctx, "set_ciphersuites", None)  # absent in Python <= 3.13
     if set_suites is not None:
         set_suites(TLS13_CIPHERSUITES)
@@ -96,6 +142,15 @@ def _build(cert: WorkloadCertificate, *, server_side: bool) -> ssl.SSLContext:
     ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     ctx.load_verify_locations(cadata=cert.roots_pem())
     _load_key_and_chain(ctx, cert)
+    td = cert.identity.trust_domain if server_side else None
+    if td is not None or policy.crl is not None:
+        reporter = "destination" if server_side else "source"
+        installed = osslverify.install(ctx, _handshake_check(td, policy.crl, reporter))
+        if not installed and policy.crl is not None:
+            # CRL_PATH asks for revocation checks we cannot make: refuse rather than accept.
+            raise RuntimeError(
+                "CRL_PATH is set but in-handshake certificate checks are unavailable"
+            )
     return ctx
 
 

@@ -133,6 +133,10 @@ class PipePoolStats:
     process may not exceed it."""
     create_failed: int
     """``pipe2`` failures (EMFILE/ENFILE); each made a session fall back to the buffered copy."""
+    limited: int = 0
+    """``get()`` refusals because ``max_in_use`` pipes were out (each direction then copies with
+    buffers): a pipe stays out while its destination does not read, so stuck connections would
+    otherwise pin a pipe (2 fds, up to ``size`` bytes of kernel memory) each."""
 
 
 class PipePool:
@@ -146,7 +150,9 @@ class PipePool:
     Sizing: an unprivileged user may hold at most ``fs.pipe-user-pages-soft`` pages of pipe capacity
     (64 MiB by default = 64 pipes of 1 MiB, idle ones included). Past that ``F_SETPIPE_SZ`` fails and
     the pipe keeps its default size (counted in ``stats().resize_failed``); CAP_SYS_ADMIN or
-    CAP_SYS_RESOURCE exempt a process. Separately, no pipe may exceed ``fs.pipe-max-size`` (1 MiB by
+    CAP_SYS_RESOURCE exempt a process. ``max_in_use`` bounds the pipes out at once (a pipe whose
+    destination stopped reading stays out): past it ``get()`` refuses (``OSError(EAGAIN)``) and that
+    direction copies with buffers. Separately, no pipe may exceed ``fs.pipe-max-size`` (1 MiB by
     default) without CAP_SYS_RESOURCE: when ``pipe_size`` is refused for that reason the pool shrinks
     to that limit once, for good, rather than leave every pipe at the 64 KiB default. The size
     matters: on the in-pod benchmark path (iperf3, splice, proxy CPU per byte) 64 KiB pipes cost
@@ -160,18 +166,22 @@ class PipePool:
         "_created",
         "_idle",
         "_in_use",
+        "_limited",
         "_max_idle",
+        "_max_in_use",
         "_pipe_size",
         "_resize_failed",
     )
 
-    def __init__(self, pipe_size: int = 1 << 20, max_idle: int = 32) -> None:
+    def __init__(self, pipe_size: int = 1 << 20, max_idle: int = 32, max_in_use: int = 64) -> None:
         if pipe_size <= 0:
             raise ValueError(f"pipe_size must be positive, got {pipe_size}")
         if max_idle < 0:
             raise ValueError(f"max_idle must be >= 0, got {max_idle}")
         self._pipe_size = pipe_size
         self._max_idle = max_idle
+        self._max_in_use = max_in_use
+        self._limited = 0
         self._idle: list[Pipe] = []
         self._in_use = 0
         self._created = 0
@@ -186,7 +196,11 @@ class PipePool:
         return self._pipe_size
 
     def get(self) -> Pipe:
-        """Return an empty pipe; raises ``OSError`` (EMFILE, ENFILE, ...) if none can be created."""
+        """Return an empty pipe; raises ``OSError`` (EMFILE, ENFILE, ...) if none can be created,
+        or EAGAIN when ``max_in_use`` are out already."""
+        if self._in_use >= self._max_in_use:
+            self._limited += 1
+            raise OSError(errno.EAGAIN, "too many pipes in use")
         idle = self._idle
         if idle:
             self._in_use += 1
@@ -251,6 +265,7 @@ class PipePool:
             resize_failed=self._resize_failed,
             create_failed=self._create_failed,
             size=self._pipe_size,
+            limited=self._limited,
         )
 
     def __repr__(self) -> str:

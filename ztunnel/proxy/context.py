@@ -86,6 +86,11 @@ class ConnectionRecord:
     mtls: bool = False  # set by ProxyContext.open_metrics
     # Inbound, source workload unknown: (canonical service, namespace) from the peer's baggage.
     src_derived: tuple[str, str] | None = None
+    # Double HBONE: the destination as the inner tunnel's response baggage names it (Rust
+    # with_derived_destination); the metrics are opened only once it is known (open_deferred,
+    # run at the latest by log_complete).
+    dst_derived: BaggageLike | None = None
+    open_deferred: Callable[[], None] | None = None
     # Inbound: the host the client named in ``Forwarded: host=`` (Rust's ``for_host``), for
     # /config_dump's ``originalDst``.
     for_host: str | None = None
@@ -126,7 +131,13 @@ class ConnectionRecord:
             )
         if self.dst_service is not None:
             out["dst.service"] = self.dst_service.hostname
-        if self.dst_workload is not None:
+        derived = self.dst_derived
+        if derived is not None and (derived.workload_name or derived.namespace):
+            if derived.workload_name:
+                out["dst.workload"] = derived.workload_name
+            if derived.namespace:
+                out["dst.namespace"] = derived.namespace
+        elif self.dst_workload is not None:
             out["dst.workload"] = self.dst_workload.name
             out["dst.namespace"] = self.dst_workload.namespace
         dst_identity = self.dst_identity
@@ -145,6 +156,9 @@ class ConnectionRecord:
         if self._done:
             return
         self._done = True
+        if self.open_deferred is not None:
+            self.open_deferred()
+            self.open_deferred = None
         if self.counters is not None:
             self.bytes_sent, self.bytes_recv = self.live_bytes()
         if self.metrics is not None:

@@ -20,7 +20,7 @@ from ztunnel.core.errors import (
 )
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import X_FORWARDED_NETWORK, request_headers
+from ztunnel.hbone.headers import BAGGAGE, X_FORWARDED_NETWORK, parse_baggage, request_headers
 from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
@@ -109,8 +109,10 @@ class HboneConnector:
         self.config = config
         self.secrets = secrets
         self.settings = settings = HboneSettings.from_config(config)
-        # double HBONE: inner connection -> the task carrying its outer stream
+        # double HBONE: inner connection -> the task carrying its outer stream; every carrier
+        # task is held here until it ends (the loop keeps only weak references to tasks)
         self._carriers: dict[HboneConnection, asyncio.Task[None]] = {}
+        self._carrier_tasks: set[asyncio.Task[None]] = set()
         self.pool = pool or ConnectionPool(
             lambda key: dial_hbone(sockets, secrets, settings, key),
             max_streams=config.pool_max_streams_per_connection,
@@ -145,10 +147,11 @@ class HboneConnector:
             return None
         headers = self._headers(route, rec)
         try:
-            sid = await self._connect(conn, route, headers, rec, reserved=True)
-            if sid is None:
+            resp = await self._connect(conn, route, headers, rec, reserved=True)
+            if resp is None:
                 self.pool.stream_done(conn)
                 return None
+            sid = resp.stream_id
         except BaseException:
             self.pool.stream_done(conn)
             raise
@@ -175,8 +178,8 @@ class HboneConnector:
         rec: ConnectionRecord,
         *,
         reserved: bool = False,
-    ) -> int | None:
-        """Send the CONNECT on ``conn``: the stream id once the peer answered 200, else None
+    ) -> h2.ResponseReceived | None:
+        """Send the CONNECT on ``conn``: the response once the peer answered 200, else None
         (logged as the connection's outcome, the stream reset or abandoned)."""
         try:
             sid, resp = await conn.open_stream(str(route.authority), headers, reserved=reserved)
@@ -190,7 +193,7 @@ class HboneConnector:
                 conn.h2.reset_stream(sid, h2.ErrorCode.CANCEL)
                 conn.flush()
             return None
-        return sid
+        return resp
 
     async def _open_inner(
         self,
@@ -208,6 +211,8 @@ class HboneConnector:
         near.setblocking(False)
         far.setblocking(False)
         carrier = asyncio.get_running_loop().create_task(self._carry(outer, outer_sid, far))
+        self._carrier_tasks.add(carrier)
+        carrier.add_done_callback(self._carrier_tasks.discard)
         inner: HboneConnection | None = None
         try:
             assert rec.src_identity is not None
@@ -238,8 +243,8 @@ class HboneConnector:
             )
             inner = HboneConnection(near, sslobj, inbio, outbio, h2c)
             inner_headers = [*headers, (X_FORWARDED_NETWORK, self.config.network)]
-            sid = await self._connect(inner, route, inner_headers, rec)
-            if sid is None:
+            resp = await self._connect(inner, route, inner_headers, rec)
+            if resp is None:
                 inner.close()  # the carrier then sees EOF and ends the outer stream
                 return None
         except (ProxyError, CertificateError) as e:
@@ -250,8 +255,17 @@ class HboneConnector:
             _drop(inner, near)
             raise
         rec.dst_identity = _peer(inner)
+        # Rust with_derived_destination: the destination workload is known from the inner
+        # response's baggage only (the gateway's view of it is all state has).
+        for k, v in resp.headers:
+            if k == BAGGAGE:
+                rec.dst_derived = parse_baggage(v)
+                break
+        if rec.open_deferred is not None:
+            rec.open_deferred()
+            rec.open_deferred = None
         self._carriers[inner] = carrier
-        return inner, sid
+        return inner, resp.stream_id
 
     async def _carry(self, outer: HboneConnection, sid: int, sock: socket.socket) -> None:
         """The outer stream of a double-HBONE connection, for as long as its inner one lives

@@ -3,15 +3,27 @@
 Status codes follow istio/ztunnel ``src/proxy/inbound.rs`` (reference 2.3): 400 for a bad method,
 authority or IP mismatch, 503 when the local workload is unknown or the app refuses, 200 then raw
 bytes. Error responses are headers-only with END_STREAM.
+
+Every accepted connection gets one access-log line however it ends ("connection failed" with
+the reason when it ends before a stream is served, as Rust's ``log_early_deny``). The HTTP/2
+endpoint holds each stream until its task is done (``hold_streams``), so a stream reset by the
+peer still counts against the 200-stream limit while its upstream connect runs (rapid reset);
+stream tasks start a batch per loop iteration; new streams are refused (REFUSED_STREAM) while
+the process is within its fd reserve, and malformed requests count against the peer's budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import socket
 import ssl
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from ztunnel.config import HBONE_PORT, ILLEGAL_PORTS
 from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr, parse_ip
@@ -26,7 +38,7 @@ from ztunnel.hbone.headers import (
     forwarded_host,
     parse_baggage,
 )
-from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
+from ztunnel.hbone.transport import AlpnRefused, HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
 from ztunnel.net.copy import CopyCounters
@@ -52,6 +64,49 @@ log = logging.getLogger("ztunnel.proxy.inbound")
 
 _LOOPBACK4 = parse_ip("127.0.0.1")
 _LOOPBACK6 = parse_ip("::1")
+_UNKNOWN_PEER = SocketAddr.parse("0.0.0.0:0")
+
+
+# New stream tasks started per event-loop iteration (per proxy instance), the rest queued: a
+# burst of CONNECTs (200 per connection, from any number of connections) is admitted a batch at
+# a time, so other connections' I/O runs between batches instead of after all of it.
+START_BATCH = 16
+
+
+class _FairStarter:
+    """Runs submitted starts at most ``batch`` per event-loop iteration, in order."""
+
+    __slots__ = ("armed", "batch", "queue", "started")
+
+    def __init__(self, batch: int = START_BATCH) -> None:
+        self.batch = batch
+        self.queue: deque[Callable[[], None]] = deque()
+        self.started = 0
+        self.armed = False
+
+    def submit(self, start: Callable[[], None]) -> None:
+        if self.started < self.batch and not self.queue:
+            self.started += 1
+            self._arm()
+            start()
+        else:
+            self.queue.append(start)
+            self._arm()
+
+    def _arm(self) -> None:
+        if not self.armed:
+            self.armed = True
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.armed = False
+        self.started = 0
+        queue = self.queue
+        while queue and self.started < self.batch:
+            self.started += 1
+            queue.popleft()()
+        if queue or self.started:
+            self._arm()
 
 
 class InboundHbone:
@@ -59,47 +114,121 @@ class InboundHbone:
         self.ctx = ctx
         self.secrets = secrets
         self.settings = HboneSettings.from_config(ctx.config)
+        cfg = ctx.config
+        self.flood_limits = h2.FloodLimits(
+            control_frames=cfg.h2_max_control_frames,
+            window_updates=cfg.h2_max_window_updates,
+            empty_frames=cfg.h2_max_empty_frames,
+            early_resets=cfg.h2_max_early_resets,
+            max_continuations=cfg.h2_max_continuations,
+        )
         self.connections: set[HboneConnection] = set()
+        self._warned = 0.0
+        self._suppressed = 0
+        self._starter = _FairStarter()
+
+    def _guard(self, reason: str) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.guard_event(reason)
+
+    def _early_failure(
+        self, src: SocketAddr, dst: SocketAddr, reason: str, error: BaseException | str
+    ) -> None:
+        """The connection ends before any stream: Rust's ``log_early_deny`` line, and a count."""
+        log_failed(
+            "inbound", src, dst, error if isinstance(error, BaseException) else Exception(error)
+        )
+        self._guard(reason)
+
+    def _rate_limited_warning(self, msg: str, *args: object) -> None:
+        """At most one such line a second (a hostile peer must not flood the log)."""
+        now = time.monotonic()
+        if now - self._warned < 1.0:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg += f" ({self._suppressed} similar suppressed)"
+            self._suppressed = 0
+        self._warned = now
+        log.warning(msg, *args)
 
     def send_goaway(self) -> None:
         """Drain: tell every peer to open no new streams here."""
         for conn in list(self.connections):
             conn.send_goaway()
 
-    async def handle(self, sock: socket.socket) -> None:
+    async def handle(self, sock: socket.socket, peer: tuple[Any, ...] | None = None) -> None:
+        """Serve one accepted connection; ``peer`` is the address accept() returned."""
         ctx = self.ctx
         try:
             src, arrival = peer_addr(sock), local_addr(sock)
-        except OSError:
+        except OSError as e:  # reset before we got to it: still one access-log line
+            src = _UNKNOWN_PEER
+            with contextlib.suppress(ValueError, IndexError, TypeError, AssertionError):
+                if peer is not None:
+                    src = SocketAddr.from_sockaddr(peer)
+            dst = _UNKNOWN_PEER
+            with contextlib.suppress(OSError):
+                dst = local_addr(sock)
+            self._early_failure(src, dst, "tcp", e)
             return
         identity = ctx.local_identity()
         if identity is None:
-            log.warning("inbound HBONE from %s: no local identity; closing", src)
+            self._early_failure(src, arrival, "no_identity", "no local identity")
             return
         try:
             cert = await self.secrets.fetch_certificate(identity)
             sslobj, inbio, outbio = await tls_handshake(
-                sock, server_context(cert), server_side=True
+                sock, server_context(cert), server_side=True, require_alpn=b"h2"
             )
             peer_der = sslobj.getpeercert(binary_form=True) or b""
             peer_id = verify_client_trust_domain(peer_der, cert.identity.trust_domain)
         except (CertificateError, TlsIdentityError) as e:
-            log.warning("inbound HBONE from %s rejected: %s", src, e)
+            self._early_failure(src, arrival, "identity", e)
+            return
+        except AlpnRefused as e:
+            self._early_failure(src, arrival, "alpn", e)
             return
         except (ssl.SSLError, OSError, HboneError, TimeoutError) as e:
-            log.warning("inbound HBONE from %s: TLS handshake failed: %s", src, e)
+            self._early_failure(
+                src, arrival, "tls", f"TLS handshake failed: {e or type(e).__name__}"
+            )
             return
-        tasks: set[asyncio.Task[None]] = set()
+        tasks: dict[asyncio.Task[None], int] = {}  # stream task -> its stream id
+        # Stream tasks not yet bridged (admission, upstream connect) -> their record, if any:
+        # once the connection is gone nobody can be answered, so they are cancelled.
+        unbridged: dict[asyncio.Task[None], ConnectionRecord | None] = {}
         loop = asyncio.get_running_loop()
         # Shared by the connection's stream tasks and their done callbacks (see Listener).
         context = contextvars.copy_context()
+        budget = ctx.sockets.budget
+
+        def done(t: asyncio.Task[None]) -> None:  # (one per connection, not per stream)
+            sid = tasks.pop(t)
+            unbridged.pop(t, None)
+            conn.release_stream(sid)  # the stream stops counting only now
 
         def on_request(conn: HboneConnection, ev: h2.RequestReceived) -> None:
-            task = loop.create_task(
-                self._serve(conn, ev, src, arrival.ip, peer_id), context=context
-            )
-            tasks.add(task)
-            task.add_done_callback(tasks.discard, context=context)
+            sid = ev.stream_id
+            if budget.under_pressure:
+                # Within the fd reserve: refuse before any work (the client may retry).
+                conn.abandon(sid)
+                conn.refuse(sid)
+                conn.release_stream(sid)
+                self._guard("fd_budget_stream")
+                return
+
+            def start() -> None:
+                if conn.closed.done():
+                    return  # (gone while queued)
+                task = loop.create_task(
+                    self._serve(conn, ev, src, arrival.ip, peer_id, unbridged), context=context
+                )
+                tasks[task] = sid
+                unbridged[task] = None
+                task.add_done_callback(done, context=context)
+
+            self._starter.submit(start)
 
         h2c = h2.H2Connection(
             client=False,
@@ -107,20 +236,34 @@ class InboundHbone:
             connection_window_size=self.settings.connection_window,
             max_frame_size=self.settings.frame_size,
             max_concurrent_streams=200,
+            limits=self.flood_limits,
+            hold_streams=True,
         )
         conn = HboneConnection(sock, sslobj, inbio, outbio, h2c, on_request=on_request)
         self.connections.add(conn)
         try:
             await asyncio.shield(conn.closed)
-            if conn.error is not None and not isinstance(conn.error, HboneError):
+            if conn.protocol_error is not None:
+                flood = conn.protocol_error.error_code == h2.ErrorCode.ENHANCE_YOUR_CALM
+                self._guard("h2_flood" if flood else "h2_protocol_error")
+                self._rate_limited_warning(
+                    "inbound HBONE connection from %s closed with GOAWAY: %s",
+                    src,
+                    conn.protocol_error,
+                )
+            elif conn.error is not None and not isinstance(conn.error, HboneError):
                 log.debug("inbound HBONE connection from %s ended: %s", src, conn.error)
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-        except asyncio.CancelledError:
-            for t in tasks:
+            for t, rec in list(unbridged.items()):
+                if rec is not None:
+                    rec.close_reason = "HBONE connection closed before the stream was served"
                 t.cancel()
             if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*list(tasks), return_exceptions=True)
+        except asyncio.CancelledError:
+            for t in list(tasks):
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*list(tasks), return_exceptions=True)
             conn.close()
             raise
         finally:
@@ -133,6 +276,7 @@ class InboundHbone:
         src: SocketAddr,
         arrival: IPAddr,
         peer_id: Identity,
+        unbridged: dict[asyncio.Task[None], ConnectionRecord | None],
     ) -> None:
         # This frame lives as long as the stream, so it stays small: the checks run in a
         # transient one, no closure, and the request event (its header list is most of its size)
@@ -143,13 +287,18 @@ class InboundHbone:
         if admitted is None:
             return
         rec, tunnel = admitted
+        task = asyncio.current_task()
         ctx = self.ctx
         with ctx.tracked(rec):
+            if task in unbridged:
+                unbridged[task] = rec
             try:
                 upstream = await self._connect_app(rec, tunnel)
             except ProxyError as e:
                 _reject(conn, sid, src, 503, e, rec)
                 return
+            finally:
+                unbridged.pop(task, None)  # type: ignore[arg-type]
             conn.respond(sid, 200, self._response_headers(rec.dst_workload), end_stream=False)
             bridge = await conn.bridge(sid, upstream, rec.counters)
             # Inbound: "sent" is what the local app sent back.
@@ -157,17 +306,16 @@ class InboundHbone:
             rec.log_complete(reportable(bridge.error))
 
     async def _connect_app(self, rec: ConnectionRecord, target: InboundTarget) -> socket.socket:
-        """Rust serve_connect: connect to the app, from the client's IP unless
-        ``ENABLE_ORIG_SRC=false``; a PROXY application tunnel goes to loopback (with
-        ``LOCALHOST_APP_TUNNEL``) and starts with the PROXY v2 header."""
+        """Rust serve_connect: connect to the app, from the client's IP (the socket factory
+        knows whether spoofing is on: ``ENABLE_ORIG_SRC``); a PROXY application tunnel goes to
+        loopback (with ``LOCALHOST_APP_TUNNEL``) and starts with the PROXY v2 header."""
         ctx = self.ctx
         tunnel = target.tunnel
         if localhost_tunnel(tunnel, ctx.config.localhost_app_tunnel):
             loopback = _LOOPBACK4 if rec.dst.ip.version == 4 else _LOOPBACK6
             upstream = await ctx.sockets.connect(SocketAddr(loopback, rec.dst.port))
         else:
-            spoof = rec.src.ip if ctx.config.enable_orig_src is not False else None
-            upstream = await ctx.sockets.connect(rec.dst, spoof_source=spoof)
+            upstream = await ctx.sockets.connect(rec.dst, spoof_source=rec.src.ip)
         if tunnel is not None and tunnel.protocol is AppTunnelProtocol.PROXY:
             header = proxy_v2_header(rec.src, tunnel.target, rec.src_identity)
             try:
@@ -271,6 +419,8 @@ def _reject(
     it has a record, else as Rust's early denial ("connection failed", dst.addr the address the
     connection arrived at) once the arrival address is known, else as a rejected request."""
     conn.respond(sid, status, [], end_stream=True)
+    if status == 400:
+        conn.charge()  # a malformed request counts against the peer's budget
     if rec is not None:
         rec.log_complete(why)
     elif arrival is not None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config, WorkloadInfo
 from ztunnel.core.addr import IPAddr
@@ -19,6 +21,7 @@ from ztunnel.core.identity import Identity
 from ztunnel.identity.manager import SecretManager
 from ztunnel.metrics import Metrics, Reporter
 from ztunnel.net.copy import PipePool
+from ztunnel.net.fdbudget import FdBudget
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.hbone_outbound import HboneConnector
 from ztunnel.proxy.inbound import InboundHbone
@@ -31,6 +34,20 @@ from ztunnel.state.model import Workload
 from ztunnel.state.store import State
 
 log = logging.getLogger("ztunnel.proxy")
+
+
+class Companion(Protocol):
+    """Listeners of a higher layer that live and die with one instance (the DNS proxy): bound
+    after the instance's own (any failure closes all), started, drained and closed with them.
+    ``proxy`` never imports their layer; the composition root passes a builder in."""
+
+    def bind(self) -> None: ...
+    def start(self) -> None: ...
+    def abort(self) -> None: ...
+    async def drain(self, deadline: float) -> int: ...
+
+
+CompanionBuilder = Callable[["ProxyInstance"], Sequence[Companion]]
 
 
 class ProxyInstance:
@@ -47,6 +64,7 @@ class ProxyInstance:
         name: str = "",
         metrics: Metrics | None = None,
         policies: PolicyIndex | None = None,
+        companions: CompanionBuilder | None = None,
     ) -> None:
         self.config = config
         self.state = state
@@ -61,7 +79,12 @@ class ProxyInstance:
             if config.keepalive_enabled
             else None,
             user_timeout=config.user_timeout_enabled,
+            budget=FdBudget(config.fd_reserve),
         )
+        if config.enable_orig_src is False:
+            # ENABLE_ORIG_SRC=false: no spoofing on the upstream leg to the app either (Rust
+            # proxy.rs maybe_set_transparent): the app sees ztunnel's address.
+            self.sockets.transparent_ok = False
         self.ctx = ProxyContext(
             config=config,
             state=state,
@@ -77,6 +100,7 @@ class ProxyInstance:
         self.ctx.hbone = self.connector
         self.inbound = InboundHbone(self.ctx, secrets)
         self.listeners: list[Listener] = []
+        self.companions: list[Companion] = list(companions(self)) if companions else []
 
     # --- who this instance proxies for -------------------------------------------------------
 
@@ -120,9 +144,21 @@ class ProxyInstance:
         try:
             for port, name, handler, reporter in handlers:
                 lst = Listener(self._listen(port), handler, f"{self.name} {name}")
+                lst.budget = self.sockets.budget  # refuse connections within the fd reserve
+                lst.pass_peer = port == HBONE_PORT  # (an access-log line even once reset)
                 if self.ctx.metrics is not None:
                     lst.on_socket = _socket_gauge(self.ctx.metrics, reporter)
+                    lst.on_refused = functools.partial(
+                        self.ctx.metrics.guard_event, "fd_budget_connection"
+                    )
                 self.listeners.append(lst)
+            for i, comp in enumerate(self.companions):
+                try:
+                    comp.bind()
+                except BaseException:
+                    for done in self.companions[:i]:
+                        done.abort()
+                    raise
         except BaseException:
             for lst in self.listeners:
                 lst.sock.close()
@@ -157,6 +193,8 @@ class ProxyInstance:
         for lst in self.listeners:
             lst.start()
             log.info("%s listening on %s:%d", lst.name, *lst.address)
+        for comp in self.companions:
+            comp.start()
 
     @property
     def active_connections(self) -> int:
@@ -166,7 +204,12 @@ class ProxyInstance:
         """Graceful: stop accepting, GOAWAY to HBONE peers, let connections finish until the
         deadline, then cut the rest. Returns how many were cut."""
         self.inbound.send_goaway()
-        cut = sum(await asyncio.gather(*(lst.drain(deadline) for lst in self.listeners)))
+        cut = sum(
+            await asyncio.gather(
+                *(lst.drain(deadline) for lst in self.listeners),
+                *(comp.drain(deadline) for comp in self.companions),
+            )
+        )
         self.connector.pool.close()
         return cut
 
@@ -199,6 +242,7 @@ def instance_factory(
     *,
     metrics: Metrics | None = None,
     policies: PolicyIndex | None = None,
+    companions: CompanionBuilder | None = None,
 ) -> Callable[[WorkloadInfo, int | None, str], ProxyInstance]:
     def build(info: WorkloadInfo, netns_fd: int | None, name: str) -> ProxyInstance:
         return ProxyInstance(
@@ -211,6 +255,7 @@ def instance_factory(
             name=name,
             metrics=metrics,
             policies=policies,
+            companions=companions,
         )
 
     return build

@@ -4,7 +4,9 @@ A ``Listener`` accepts in batches from a non-blocking listening socket driven by
 (cheaper than one ``sock_accept`` future per connection) and runs one task per connection. It owns
 those tasks: ``stop_accepting()`` closes the socket at once (so a new ztunnel bound with
 SO_REUSEPORT takes new connections), ``drain(deadline)`` lets running connections finish and cancels
-what is left at the deadline. Running out of file descriptors backs off instead of crashing.
+what is left at the deadline. Running out of file descriptors backs off instead of crashing, and a
+connection accepted within the fd reserve (``net/fdbudget.py``) is closed at once with a RST,
+counted (``refused``) and logged at most once a second, before it can cost anything else.
 """
 
 from __future__ import annotations
@@ -15,16 +17,22 @@ import contextvars
 import errno
 import logging
 import socket
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from ztunnel.net.fdbudget import FdBudget
+
 log = logging.getLogger("ztunnel.proxy")
 
-Handler = Callable[[socket.socket], Coroutine[Any, Any, None]]
+# ``handler(conn)``, or ``handler(conn, peer)`` with ``pass_peer`` (the address accept()
+# returned: getpeername fails on a connection reset before it is handled).
+Handler = Callable[..., Coroutine[Any, Any, None]]
 
 _ACCEPT_BATCH = 64
 _FD_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _EMFILE_BACKOFF = 0.1
+_LINGER_RST = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close sends RST
 
 
 class Listener:
@@ -43,6 +51,11 @@ class Listener:
         # and a task only enters its context for one step at a time (no eager tasks on 3.11).
         self._context = contextvars.Context()
         self.accepted = 0
+        self.refused = 0  # closed at once: the fd budget was exhausted
+        self._refused_logged = 0.0
+        self.budget: FdBudget | None = None
+        self.pass_peer = False
+        self.on_refused: Callable[[], None] | None = None  # a connection refused (fd budget)
         self.on_socket: Callable[[bool], None] | None = None  # accepted (True) / closed (False)
 
     @property
@@ -63,7 +76,7 @@ class Listener:
     def _on_readable(self) -> None:
         for _ in range(_ACCEPT_BATCH):
             try:
-                conn, _addr = self.sock.accept()
+                conn, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -75,13 +88,32 @@ class Listener:
                     continue
                 log.error("%s: accept failed: %s", self.name, e)
                 return
+            if self.budget is not None and not self.budget.admit(conn.fileno()):
+                self._refuse(conn)
+                continue
             conn.setblocking(False)
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.accepted += 1
-            self._spawn(conn)
+            self._spawn(conn, addr)
 
-    def _spawn(self, conn: socket.socket) -> None:
+    def _refuse(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
+        conn.close()
+        self.refused += 1
+        if self.on_refused is not None:
+            self.on_refused()
+        now = time.monotonic()
+        if now - self._refused_logged >= 1.0:
+            self._refused_logged = now
+            log.warning(
+                "%s: file descriptor budget exhausted; refusing new connections (%d so far)",
+                self.name,
+                self.refused,
+            )
+
+    def _spawn(self, conn: socket.socket, addr: Any = None) -> None:
         # The handler's coroutine is the task itself (no wrapper coroutine: a connection's
         # coroutines live as long as it does, so each frame counts); _on_done is the wrapper.
         assert self._loop is not None
@@ -89,7 +121,8 @@ class Listener:
             self.on_socket(True)
         ctx = self._context
         try:
-            task = self._loop.create_task(self._handler(conn), context=ctx)
+            coro = self._handler(conn, addr) if self.pass_peer else self._handler(conn)
+            task = self._loop.create_task(coro, context=ctx)
         except BaseException:
             self._closed(conn)
             raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ztunnel.config import ILLEGAL_PORTS
@@ -16,6 +16,7 @@ from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr
 from ztunnel.core.errors import (
     NoHealthyUpstream,
     NoValidDestination,
+    ProxyError,
     SelfCallError,
     UnknownNetworkGateway,
     UnknownWaypoint,
@@ -30,7 +31,7 @@ from ztunnel.state.model import (
     TunnelProtocol,
     Workload,
 )
-from ztunnel.state.store import State
+from ztunnel.state.store import State, pick_workload_ip
 
 
 class RouteKind(enum.Enum):
@@ -87,24 +88,29 @@ def decide_outbound(
         raise SelfCallError(dst)
 
     # A service VIP wins over a workload IP here (unlike find_address), as in outbound.rs.
+    # Among services sharing the VIP (or a CIDR VIP holding it), the best one visible to the
+    # source's namespace (Rust find_upstream -> get_best_by_vip).
     net_addr = NetworkAddress(network, dst.ip)
-    svc = state.find_service_by_vip(net_addr)
+    svc = state.find_service_by_vip(net_addr, source.namespace if source is not None else None)
     if svc is not None:
         # Rust build_request: a service-addressed connection goes to the service's waypoint
         # whoever the source is (fetch_service_waypoint has no from-waypoint check).
         gw = _service_waypoint(svc, rng)
         if gw is not None:
             return _to_waypoint(state, gw, dst, source, rng, service=svc)
+        mode = svc.load_balancing.mode if svc.load_balancing else LoadBalancerMode.UNSPECIFIED
+        if mode is LoadBalancerMode.PASSTHROUGH:
+            # Rust find_upstream: a PASSTHROUGH service always goes to the original destination.
+            return Route(RouteKind.PASSTHROUGH, dst, destination_service=svc)
         picked = state.load_balance(svc, dst.port, source, rng)
         if picked is None:
-            mode = svc.load_balancing.mode if svc.load_balancing else LoadBalancerMode.UNSPECIFIED
-            if mode is LoadBalancerMode.PASSTHROUGH:
-                return Route(RouteKind.PASSTHROUGH, dst, destination_service=svc)
             raise NoHealthyUpstream(svc.hostname)
         endpoint, target_port = picked
         if endpoint.network != network:
             return _through_gateway(state, endpoint, svc, dst, source, rng, sans_of=svc)
-        return _to_workload(endpoint, target_port, svc, network)
+        # Rust pick_workload_destination_or_resolve: the IP family by ip_families and dst.
+        ip = pick_workload_ip(endpoint, dst.ip, svc.ip_families)
+        return _to_workload(endpoint, target_port, svc, network, ip=ip)
 
     wl = state.find_workload_by_addr(net_addr)
     if wl is not None:
@@ -124,7 +130,9 @@ def _to_workload(
             "routing is not supported yet"
         )
     if ip is None:
-        ip = _pick_ip(wl)
+        if not wl.addresses and wl.hostname:
+            raise NeedsResolution(wl, port, svc)
+        ip = _pick_ip(wl)  # raises: no usable IP
     if wl.protocol is TunnelProtocol.HBONE:
         expected = (wl.identity, *_service_sans(svc))
         return Route(
@@ -140,11 +148,24 @@ def _to_workload(
     )
 
 
+class NeedsResolution(Exception):
+    """Not a refusal: the chosen endpoint is known only by ``hostname`` (a ServiceEntry with
+    DNS resolution); :func:`decide_outbound_resolving` resolves it and finishes the route."""
+
+    def __init__(self, workload: Workload, port: int, service: Service | None) -> None:
+        super().__init__(f"workload {workload.uid} needs DNS resolution of {workload.hostname}")
+        self.workload = workload
+        self.port = port
+        self.service = service
+
+
+class NoResolvedAddresses(ProxyError):
+    """Rust Error::NoResolvedAddresses / EmptyResolvedAddresses."""
+
+
 def _pick_ip(wl: Workload) -> IPAddr:
     if not wl.addresses:
-        raise UnsupportedRoute(
-            f"workload {wl.uid} has no address (DNS-resolved workloads are not supported yet)"
-        )
+        raise UnsupportedRoute(f"workload {wl.uid} has neither an address nor a hostname")
     return wl.addresses[0]
 
 
@@ -193,7 +214,7 @@ def _resolve_gateway(
     port of a workload, or the port a service maps ``hbone_mtls_port`` to on the endpoint
     (``find_upstream_from_service``). A reference by IP is dialled in that IP's family; one by
     hostname adapts to the original destination's."""
-    found = state.find_gateway(gw)
+    found = state.find_gateway(gw, source.namespace if source is not None else None)
     family = gw.address.address.version if gw.address is not None else dst.ip.version
     if isinstance(found, Workload):
         if gw.address is not None and gw.address.address in found.addresses:
@@ -231,7 +252,7 @@ def _is_waypoint_of(source: Workload | None, gw: GatewayAddress, state: State) -
     """Traffic from the waypoint itself must not be sent back to the waypoint."""
     if source is None:
         return False
-    found = state.find_gateway(gw)
+    found = state.find_gateway(gw, source.namespace if source is not None else None)
     if isinstance(found, Workload):
         return found.uid == source.uid
     if isinstance(found, Service):
@@ -302,3 +323,46 @@ def _through_gateway(
         destination_service=service,
         via_waypoint=waypoint,
     )
+
+
+Resolver = Callable[[str], Awaitable[Sequence[IPAddr]]]
+
+
+async def decide_outbound_resolving(
+    state: State,
+    source: Workload | None,
+    dst: SocketAddr,
+    *,
+    resolve: Resolver,
+    network: str = "",
+    local_ips: Collection[IPAddr] = (),
+    on_dns: Callable[[Workload | None, Workload], None] | None = None,
+    rng: random.Random | None = None,
+) -> Route:
+    """:func:`decide_outbound`, with the two things Rust's ``build_request`` awaits first:
+
+    * on-demand xDS: an unknown destination address is fetched from the control plane
+      (``DemandProxyState::fetch_address``) when ``state.demander`` is set;
+    * a chosen endpoint known only by hostname is resolved (``resolve_on_demand_dns``; counted
+      by ``on_dns``): an address of the original destination's family if there is one, else
+      any, picked at random; none is ``NoResolvedAddresses``.
+    """
+    if state.demander is not None:
+        ns = source.namespace if source is not None else None
+        await state.fetch_address(NetworkAddress(network, dst.ip), ns)
+    try:
+        return decide_outbound(state, source, dst, network=network, local_ips=local_ips, rng=rng)
+    except NeedsResolution as need:
+        wl = need.workload
+        if on_dns is not None:
+            on_dns(source, wl)
+        try:
+            ips = list(await resolve(wl.hostname))
+        except OSError as e:
+            raise NoResolvedAddresses(f"no resolved addresses for {wl.uid}: {e}") from None
+        if not ips:
+            raise NoResolvedAddresses(f"empty resolved addresses for {wl.uid}") from None
+        same = [ip for ip in ips if ip.version == dst.ip.version]
+        r = rng if rng is not None else random
+        ip = r.choice(same or ips)
+        return _to_workload(wl, need.port, need.service, network, ip=ip)

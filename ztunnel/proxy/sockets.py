@@ -18,6 +18,7 @@ from datetime import timedelta
 from ztunnel.core.addr import IPAddr, SocketAddr
 from ztunnel.core.errors import UpstreamConnectError
 from ztunnel.net import sockopt
+from ztunnel.net.fdbudget import FdBudget
 
 log = logging.getLogger("ztunnel.proxy")
 
@@ -34,8 +35,11 @@ class SocketFactory:
         netns_fd: int | None = None,
         keepalive: tuple[timedelta, timedelta, int] | None = None,
         user_timeout: bool = False,
+        budget: FdBudget | None = None,
     ) -> None:
         self.mark = mark
+        # Sockets are refused (UpstreamConnectError) a reserve of fds before RLIMIT_NOFILE.
+        self.budget = budget if budget is not None else FdBudget()
         self.netns_fd = netns_fd
         self.keepalive = keepalive
         self.user_timeout = user_timeout
@@ -56,11 +60,22 @@ class SocketFactory:
             yield
 
     def new_socket(self, family: int) -> socket.socket:
-        if self.netns_fd is None:  # (no generator-based context manager per connection)
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        else:
-            with self._in_ns():
+        """A marked non-blocking stream socket. Raises UpstreamConnectError when the process is
+        out of fds or within its reserve (``FdBudget``), OSError for other failures."""
+        try:
+            if self.netns_fd is None:  # (no generator-based context manager per connection)
                 sock = socket.socket(family, socket.SOCK_STREAM)
+            else:
+                with self._in_ns():
+                    sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self.budget.admit(1 << 62)  # (counts the refusal, starts the pressure window)
+                raise UpstreamConnectError(f"cannot create a socket: {e.strerror}") from None
+            raise
+        if not self.budget.admit(sock.fileno()):
+            sock.close()
+            raise UpstreamConnectError("file descriptor budget exhausted")
         try:
             sock.setblocking(False)
             setsockopt = sock.setsockopt
@@ -79,6 +94,49 @@ class SocketFactory:
                 addr, family=family, reuse_port=reuse_port, transparent=transparent
             )
 
+    def datagram(self, family: int) -> socket.socket:
+        """A non-blocking UDP socket in this factory's netns, with its mark (the DNS proxy's
+        upstream queries)."""
+        with self._in_ns():
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            if self.mark:
+                sock.setsockopt(socket.SOL_SOCKET, sockopt.SO_MARK, self.mark)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def bind_datagram(
+        self, addr: tuple[str, int], *, family: int, reuse_port: bool
+    ) -> socket.socket:
+        """A bound, non-blocking, marked UDP socket in this factory's netns (the DNS listener)."""
+        with self._in_ns():
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                if self.mark:
+                    sock.setsockopt(socket.SOL_SOCKET, sockopt.SO_MARK, self.mark)
+                sock.bind(addr)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+        return sock
+
+    def read_sysctl(self, path: str) -> str | None:
+        """A ``/proc/sys/net/...`` value as seen from this factory's netns, or None."""
+        try:
+            with self._in_ns(), open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
     async def connect(
         self,
         target: SocketAddr,
@@ -88,7 +146,12 @@ class SocketFactory:
     ) -> socket.socket:
         """Connect to ``target``; with ``spoof_source``, bind that IP first (IP_TRANSPARENT) and fall
         back to a normal connect when the kernel refuses. Raises UpstreamConnectError."""
-        sock = self.new_socket(target.family)
+        try:
+            sock = self.new_socket(target.family)
+        except OSError as e:
+            raise UpstreamConnectError(
+                f"connection to {target} failed: {e.strerror or e}"
+            ) from None
         try:
             if (
                 spoof_source is not None

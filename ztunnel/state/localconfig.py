@@ -21,7 +21,7 @@ from typing import NoReturn, TypeVar
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from ztunnel.core.addr import IPAddr, IPNet, parse_ip
+from ztunnel.core.addr import IPAddr, IPNet
 from ztunnel.state.model import (
     ApplicationTunnel,
     AppTunnelProtocol,
@@ -37,6 +37,7 @@ from ztunnel.state.model import (
     Match,
     NamespacedHostname,
     NetworkAddress,
+    NetworkCidr,
     NetworkMode,
     PolicyAction,
     PolicyScope,
@@ -44,9 +45,11 @@ from ztunnel.state.model import (
     Service,
     ServiceAccountMatch,
     ServicePort,
+    ServiceVisibility,
     StringMatch,
     StringMatchKind,
     TunnelProtocol,
+    WeightedWaypoint,
     Workload,
     WorkloadStatus,
     WorkloadType,
@@ -60,10 +63,11 @@ _E = TypeVar("_E", bound=enum.Enum)
 
 # Defaults the xDS conversion applies (src/state/workload.rs). Rust file mode leaves these
 # fields empty when omitted; an empty trust domain or service account makes an identity that
-# cannot be parsed or certified, so the file loader applies the xDS defaults instead.
+# cannot be parsed or certified, so the file loader applies the xDS defaults instead. The
+# cluster id stays empty when omitted, as in Rust (serde default), so baggage carries none.
 DEFAULT_TRUST_DOMAIN = "cluster.local"
 DEFAULT_SERVICE_ACCOUNT = "default"
-DEFAULT_CLUSTER_ID = "Kubernetes"
+DEFAULT_CLUSTER_ID = "Kubernetes"  # only in the uid this loader makes up for uid-less entries
 DEFAULT_HBONE_MTLS_PORT = 15008
 
 _TAG = "tag:yaml.org,2002:"
@@ -75,7 +79,9 @@ _PROTOCOL = {"TCP": TunnelProtocol.NONE, "HBONE": TunnelProtocol.HBONE}
 _NETWORK_MODE = {"Standard": NetworkMode.STANDARD, "HostNetwork": NetworkMode.HOST_NETWORK}
 _STATUS = {"Healthy": WorkloadStatus.HEALTHY, "Unhealthy": WorkloadStatus.UNHEALTHY}
 _APP_TUNNEL = {"NONE": AppTunnelProtocol.NONE, "PROXY": AppTunnelProtocol.PROXY}
-_WORKLOAD_TYPE = {t.name.lower(): t for t in WorkloadType}  # Rust stores it lower-cased
+# Rust keeps workloadType as a free string; known names map to the enum, others to DEPLOYMENT.
+_WORKLOAD_TYPE = {t.name.lower(): t for t in WorkloadType}
+_VISIBILITY = {"Public": ServiceVisibility.PUBLIC, "Namespace": ServiceVisibility.NAMESPACE}
 _LB_SCOPE = {
     "Region": LoadBalancerScope.REGION,
     "Zone": LoadBalancerScope.ZONE,
@@ -144,10 +150,15 @@ _SERVICE_KEYS = (
     "loadBalancer",
     "ipFamilies",
     "canonical",
+    "cidrVips",
+    "weightedWaypoints",
+    "visibility",
 )
-# Valid in (some) Rust releases but with no home in this port's model: refuse loudly rather
-# than silently drop routing behaviour.
-_SERVICE_UNSUPPORTED = ("endpoints", "weightedWaypoints", "visibility")
+# Valid in Rust but with no home in this port's model (endpoints come from the workloads'
+# ``services`` maps): refuse loudly rather than silently drop routing behaviour.
+_SERVICE_UNSUPPORTED = ("endpoints",)
+_CIDR_VIP_KEYS = ("network", "cidr")
+_WEIGHTED_WAYPOINT_KEYS = ("destination", "weight")
 _GATEWAY_KEYS = ("destination", "hboneMtlsPort")
 _LB_KEYS = ("routingPreferences", "mode", "healthPolicy")
 _LOCALITY_KEYS = ("region", "zone", "subzone")
@@ -242,6 +253,14 @@ def load_local_config(text: str, source: str = "<inline>") -> LocalConfig:
     if root is None or _is_null(root):
         return LocalConfig()
     return _Parser(source).config(root)
+
+
+def _raw_ip(text: str) -> IPAddr:
+    """An IP as written: ``::ffff:a.b.c.d`` stays IPv6, as Rust's ``IpAddr`` parse keeps it."""
+    try:
+        return ipaddress.ip_address(text.strip())
+    except ValueError:
+        raise ValueError(f"invalid IP address {text!r}") from None
 
 
 def _is_null(node: Node) -> bool:
@@ -359,7 +378,8 @@ class _Parser:
     def ip(self, node: Node, path: str) -> IPAddr:
         text = self.string(node, path)
         try:
-            return parse_ip(text)
+            # As written: ::ffff:a.b.c.d stays IPv6, as Rust's IpAddr parse keeps it.
+            return _raw_ip(text)
         except ValueError as e:
             self.fail(node, path, str(e))
 
@@ -379,7 +399,7 @@ class _Parser:
         if not sep:
             self.fail(node, path, f"invalid address {text!r}: expected '<network>/<ip>'")
         try:
-            return NetworkAddress(network, parse_ip(ip_text))
+            return NetworkAddress(network, _raw_ip(ip_text))
         except ValueError as e:
             self.fail(node, path, f"invalid address {text!r}: {e}")
 
@@ -472,11 +492,11 @@ class _Parser:
         f = self.mapping(node, path, _WORKLOAD_KEYS, required=("namespace",))
         name = self.opt(f, "name", path, self.string, "")
         namespace = self.req(f, "namespace", path, self.string)
-        cluster_id = self.opt(f, "clusterId", path, self.string, "") or DEFAULT_CLUSTER_ID
+        cluster_id = self.opt(f, "clusterId", path, self.string, "")
         # Rust leaves uid empty when omitted, and then every uid-less workload overwrites the
         # previous one; name it the way istiod names pods instead.
-        uid = (
-            self.opt(f, "uid", path, self.string, "") or f"{cluster_id}//v1/Pod/{namespace}/{name}"
+        uid = self.opt(f, "uid", path, self.string, "") or (
+            f"{cluster_id or DEFAULT_CLUSTER_ID}//v1/Pod/{namespace}/{name}"
         )
         w = Workload(
             uid=uid,
@@ -522,13 +542,9 @@ class _Parser:
         return self.integer(node, path, 0, 2**32 - 1)
 
     def workload_type(self, node: Node, path: str) -> WorkloadType:
+        # Any string, as Rust's Strng field takes (it only feeds telemetry).
         value = self.string(node, path)
-        t = _WORKLOAD_TYPE.get(value.lower())
-        if t is None:
-            self.fail(
-                node, path, f"invalid value {value!r} (expected one of: {_one_of(_WORKLOAD_TYPE)})"
-            )
-        return t
+        return _WORKLOAD_TYPE.get(value.lower(), WorkloadType.DEPLOYMENT)
 
     def workload_services(self, node: Node, path: str) -> dict[str, dict[int, int]]:
         if not isinstance(node, MappingNode):
@@ -581,7 +597,8 @@ class _Parser:
             )
         try:
             return GatewayAddress(
-                address=NetworkAddress(left, parse_ip(right)), hbone_mtls_port=port
+                address=NetworkAddress(left, _raw_ip(right)),
+                hbone_mtls_port=port,
             )
         except ValueError:
             return GatewayAddress(hostname=NamespacedHostname(left, right), hbone_mtls_port=port)
@@ -607,25 +624,14 @@ class _Parser:
     def services(self, nodes: list[Node]) -> tuple[Service, ...]:
         out: list[Service] = []
         keys: dict[str, str] = {}
-        vip_owner: dict[NetworkAddress, tuple[str, str]] = {}
         for i, node in enumerate(nodes):
             path = f"services[{i}]"
-            s, f = self.service(node, path)
+            s, _ = self.service(node, path)
             if s.key in keys:
                 self.fail(node, path, f"duplicate service {s.key!r} ({keys[s.key]})")
             keys[s.key] = path
-            for j, vip in enumerate(s.vips):
-                prev = vip_owner.get(vip)
-                vpath = f"{path}.vips[{j}]"
-                if prev is not None and prev[0] != s.key:
-                    vips_node = f["vips"]
-                    assert isinstance(vips_node, SequenceNode)
-                    self.fail(
-                        vips_node.value[j],
-                        vpath,
-                        f"VIP {vip} is already used by service {prev[0]!r} ({prev[1]})",
-                    )
-                vip_owner[vip] = (s.key, vpath)
+            # Several services may share a VIP (Rust ServiceStore::by_vip is a list); the
+            # client's namespace picks among them.
             out.append(s)
         return tuple(out)
 
@@ -651,8 +657,34 @@ class _Parser:
                 f, "ipFamilies", path, self.enum_of(_IP_FAMILIES), IPFamilies.AUTOMATIC
             ),
             canonical=self.opt(f, "canonical", path, self.boolean, False),
+            cidr_vips=self.opt(f, "cidrVips", path, self.cidr_vips, ()),
+            weighted_waypoints=self.opt(f, "weightedWaypoints", path, self.weighted_waypoints, ()),
+            visibility=self.opt(
+                f, "visibility", path, self.enum_of(_VISIBILITY), ServiceVisibility.PUBLIC
+            ),
         )
         return s, f
+
+    def cidr_vips(self, node: Node, path: str) -> tuple[NetworkCidr, ...]:
+        """``[{network: "", cidr: "10.96.0.0/16"}]`` (Rust ``NetworkCidr``'s serde shape)."""
+
+        def one(n: Node, p: str) -> NetworkCidr:
+            f = self.mapping(n, p, _CIDR_VIP_KEYS, required=("cidr",))
+            return NetworkCidr(
+                self.opt(f, "network", p, self.string, ""), self.req(f, "cidr", p, self.cidr)
+            )
+
+        return self.list_of(node, path, one)
+
+    def weighted_waypoints(self, node: Node, path: str) -> tuple[WeightedWaypoint, ...]:
+        def one(n: Node, p: str) -> WeightedWaypoint:
+            f = self.mapping(n, p, _WEIGHTED_WAYPOINT_KEYS, required=("destination", "weight"))
+            return WeightedWaypoint(
+                self.req(f, "destination", p, self.gateway),
+                self.req(f, "weight", p, lambda x, q: self.integer(x, q, 0, 2**32 - 1)),
+            )
+
+        return self.list_of(node, path, one)
 
     def vips(self, node: Node, path: str) -> tuple[NetworkAddress, ...]:
         return self.list_of(node, path, self.network_address)

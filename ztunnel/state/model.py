@@ -308,7 +308,8 @@ class Rule:
 
 @dataclass(frozen=True, slots=True)
 class Authorization:
-    """An L4 authorization policy. Its key is ``"<namespace>/<name>"`` (namespace "" = global)."""
+    """An L4 authorization policy. Its key is its xDS resource name, which istiod makes
+    ``"<namespace>/<name>"`` (namespace "" = global)."""
 
     name: str
     namespace: str
@@ -316,7 +317,11 @@ class Authorization:
     action: PolicyAction
     rules: tuple[Rule, ...] = ()
     dry_run: bool = False
+    # The xDS resource name it arrived under, when that is not ``namespace/name``: Rust keys the
+    # policy store by the resource name (ProxyStateUpdater::insert_authorization), so removals
+    # and workloads' ``authorization_policies`` refer to that name.
+    xds_name: str = ""
 
     @property
     def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
+        return self.xds_name or f"{self.namespace}/{self.name}"

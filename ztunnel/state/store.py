@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ztunnel.core.addr import canonical_ip
+from ztunnel.core.addr import IPAddr
 from ztunnel.state.model import (
     Authorization,
     GatewayAddress,
     HealthPolicy,
+    IPFamilies,
     LoadBalancerMode,
     LoadBalancerScope,
     LoadBalancing,
     NetworkAddress,
+    NetworkCidr,
     NetworkMode,
     PolicyScope,
     Service,
+    ServiceVisibility,
     TunnelProtocol,
     Workload,
     WorkloadStatus,
@@ -55,11 +58,35 @@ _NO_PORTS: dict[int, int] = {}
 _K = TypeVar("_K")
 
 
-def _canonical(addr: NetworkAddress) -> NetworkAddress:
-    # xDS and the file loader already canonicalise, but a caller may hand us a socket's
-    # IPv4-mapped peer address; keep the dict hit exact either way.
-    ip = canonical_ip(addr.address)
-    return addr if ip is addr.address else NetworkAddress(addr.network, ip)
+def visible_to(service: Service, client_namespace: str) -> bool:
+    """Rust ``Service::visible_to``: a NAMESPACE-scoped service is seen only from its own
+    namespace; every other service from everywhere."""
+    return service.visibility is not ServiceVisibility.NAMESPACE or (
+        service.namespace == client_namespace
+    )
+
+
+def find_best_match(
+    services: Iterable[Service],
+    client_namespace: str | None,
+    preferred_namespace: str | None = None,
+) -> Service | None:
+    """Rust ``ServiceMatch::find_best_match`` over services sharing a key (VIP or hostname), in
+    insertion order: one in the client's namespace at once; else the last ``canonical`` one;
+    else the last one in ``preferred_namespace`` seen before any canonical one; else the first.
+    """
+    best: Service | None = None
+    rank = 0  # 0 none, 1 first, 2 preferred namespace, 3 canonical
+    for s in services:
+        if client_namespace is not None and s.namespace == client_namespace:
+            return s
+        if s.canonical:
+            best, rank = s, 3
+        elif preferred_namespace is not None and s.namespace == preferred_namespace and rank != 3:
+            best, rank = s, 2
+        elif rank == 0:
+            best, rank = s, 1
+    return best
 
 
 def _addr_rank(w: Workload) -> int:
@@ -91,20 +118,30 @@ def _rank_endpoints(
 
     The rank is the number of leading ``routing_preference`` scopes that match the source; the
     first mismatch stops the count. STRICT drops any endpoint that does not match them all.
+    When NETWORK is the first preference ("network preferred"), a network mismatch does not
+    stop the count (the other scopes are still tried) and a network match is worth
+    ``len(prefs) - 1`` extra, so any same-network endpoint outranks every other-network one.
     """
     prefs = lb.routing_preference
     strict = lb.mode is LoadBalancerMode.STRICT
+    network_preferred = bool(prefs) and prefs[0] is LoadBalancerScope.NETWORK
     best = -1
     out: list[Workload] = []
     for wl in candidates:
         rank = 0
+        adjust = 0
         if source is not None:  # no source: nothing to compare against, every endpoint ranks 0
             for scope in prefs:
-                if not _scope_matches(scope, source, wl):
+                if scope is LoadBalancerScope.NETWORK and network_preferred:
+                    if source.network != wl.network:
+                        continue
+                    adjust = len(prefs) - 1
+                elif not _scope_matches(scope, source, wl):
                     break
                 rank += 1
         if strict and rank != len(prefs):
             continue
+        rank += adjust
         if rank > best:
             best, out = rank, [wl]
         elif rank == best:
@@ -138,11 +175,34 @@ def _pick_weighted(candidates: list[Workload], rng: random.Random) -> Workload |
     raise AssertionError("unreachable: x < total")
 
 
+def pick_workload_ip(
+    workload: Workload, original_dst: IPAddr, ip_families: IPFamilies = IPFamilies.AUTOMATIC
+) -> IPAddr | None:
+    """The IP to dial on ``workload`` (Rust ``pick_workload_destination_or_resolve``): the
+    original destination when it is one of the workload's IPs; else, among the IPs the
+    service's ``ip_families`` allows (AUTOMATIC and DUAL: all), the first of the original
+    destination's family, else the first. None: no usable IP (the caller resolves the
+    workload's hostname or goes through its network gateway)."""
+    ips = workload.addresses
+    if original_dst in ips:
+        return original_dst
+    if ip_families is IPFamilies.IPV4_ONLY:
+        ips = tuple(ip for ip in ips if ip.version == 4)
+    elif ip_families is IPFamilies.IPV6_ONLY:
+        ips = tuple(ip for ip in ips if ip.version == 6)
+    want = original_dst.version
+    for ip in ips:
+        if ip.version == want:
+            return ip
+    return ips[0] if ips else None
+
+
 class State:
     """Workloads, services and authorization policies, indexed for the per-connection lookups."""
 
     __slots__ = (
         "_by_addr",
+        "_by_cidr_vip",
         "_by_host",
         "_by_identity",
         "_by_vip",
@@ -155,6 +215,7 @@ class State:
         "_services",
         "_subscribers",
         "_workloads",
+        "demander",
     )
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -168,13 +229,19 @@ class State:
         # workloads first), so endpoints appear as soon as the service does.
         self._endpoints: dict[str, dict[str, Workload]] = {}
         self._services: dict[str, Service] = {}
-        self._by_vip: dict[NetworkAddress, Service] = {}
+        # VIP -> namespace -> service: several services (one per namespace) may share a VIP,
+        # in insertion order (Rust ServiceStore::by_vip, a list replaced per namespace).
+        self._by_vip: dict[NetworkAddress, dict[str, Service]] = {}
+        self._by_cidr_vip: list[tuple[NetworkCidr, Service]] = []
         self._by_host: dict[str, dict[str, Service]] = {}  # hostname -> namespace -> service
         self._policies: dict[str, Authorization] = {}
         # namespace ("" = global) -> ordered set of policy keys; selector policies are not here.
         self._policies_by_ns: dict[str, dict[str, None]] = {}
         self._subscribers: list[Subscriber] = []
         self._generation = 0
+        # XDS_ON_DEMAND: asks the control plane for one resource name (a workload uid, a
+        # "ns/hostname" or "<network>/<ip>") and returns once it answered (Rust Demander).
+        self.demander: Callable[[str], Awaitable[None]] | None = None
 
     # --- change notification -------------------------------------------------------------
 
@@ -227,7 +294,7 @@ class State:
         # skips them too).
         if w.network_mode is not NetworkMode.HOST_NETWORK:
             for ip in w.addresses:
-                self._by_addr.setdefault(NetworkAddress(w.network, canonical_ip(ip)), []).append(w)
+                self._by_addr.setdefault(NetworkAddress(w.network, ip), []).append(w)
         self._by_identity.setdefault((w.namespace, w.service_account), {})[w.uid] = w
         if w.hostname:
             self._by_wl_hostname.setdefault(w.hostname, {})[w.uid] = w
@@ -238,7 +305,7 @@ class State:
         uid = w.uid
         if w.network_mode is not NetworkMode.HOST_NETWORK:
             for ip in w.addresses:
-                k = NetworkAddress(w.network, canonical_ip(ip))
+                k = NetworkAddress(w.network, ip)
                 lst = self._by_addr.get(k)
                 if lst is None:
                     continue
@@ -255,7 +322,8 @@ class State:
         return self._workloads.get(uid)
 
     def find_workload_by_addr(self, addr: NetworkAddress) -> Workload | None:
-        lst = self._by_addr.get(_canonical(addr))
+        # Exact: ::ffff:a.b.c.d is not a.b.c.d here (Rust keys by IpAddr; sockets canonicalise).
+        lst = self._by_addr.get(addr)
         if not lst:
             return None
         if len(lst) == 1:
@@ -297,6 +365,15 @@ class State:
     def workloads(self) -> Iterator[Workload]:
         return iter(tuple(self._workloads.values()))
 
+    def identity_on_node(self, namespace: str, service_account: str, node: str) -> bool:
+        """Whether any workload with this identity remains on ``node`` ("" = any node): the
+        test behind Rust ``WorkloadStore::was_last_identity_on_node`` (which, like this,
+        ignores the trust domain)."""
+        cands = self._by_identity.get((namespace, service_account))
+        if not cands:
+            return False
+        return not node or any(w.node == node for w in cands.values())
+
     # --- services ------------------------------------------------------------------------
 
     def upsert_service(self, s: Service) -> None:
@@ -306,8 +383,10 @@ class State:
             self._unindex_service(old)
         self._services[key] = s
         for vip in s.vips:
-            # Last writer wins on a VIP conflict, as in Rust.
-            self._by_vip[_canonical(vip)] = s
+            # One slot per namespace: a later service of the same namespace takes it over.
+            self._by_vip.setdefault(vip, {})[s.namespace] = s
+        for cidr in s.cidr_vips:
+            self._by_cidr_vip.append((cidr, s))
         self._by_host.setdefault(s.hostname, {})[s.namespace] = s
         self._notify(ChangeKind.SERVICE, key, False)
 
@@ -322,10 +401,14 @@ class State:
     def _unindex_service(self, s: Service) -> None:
         key = s.key
         for vip in s.vips:
-            k = _canonical(vip)
-            cur = self._by_vip.get(k)
-            if cur is not None and cur.key == key:  # don't drop a VIP another service took over
-                del self._by_vip[k]
+            # Rust ServiceStore::remove drops the namespace's slot, whoever holds it now.
+            slots = self._by_vip.get(vip)
+            if slots is not None:
+                slots.pop(s.namespace, None)
+                if not slots:
+                    del self._by_vip[vip]
+        if s.cidr_vips:
+            self._by_cidr_vip = [(c, x) for c, x in self._by_cidr_vip if x.key != key]
         by_ns = self._by_host.get(s.hostname)
         if by_ns is not None:
             by_ns.pop(s.namespace, None)
@@ -336,8 +419,50 @@ class State:
         """Exact lookup by ``"ns/hostname"``."""
         return self._services.get(key)
 
-    def find_service_by_vip(self, addr: NetworkAddress) -> Service | None:
-        return self._by_vip.get(_canonical(addr))
+    def find_services_by_vip(self, addr: NetworkAddress) -> list[Service]:
+        """Every service holding ``addr`` as an exact VIP, in insertion order."""
+        slots = self._by_vip.get(addr)
+        return list(slots.values()) if slots else []
+
+    def find_service_by_vip(
+        self, addr: NetworkAddress, namespace: str | None = None
+    ) -> Service | None:
+        """Rust ``ServiceStore::get_best_by_vip``: among the services on this exact VIP that
+        are visible to a client in ``namespace`` (None: no filter), the best match
+        (:func:`find_best_match`); else the best CIDR VIP containing it."""
+        slots = self._by_vip.get(addr)
+        if slots:
+            if len(slots) == 1 and namespace is None:
+                return next(iter(slots.values()))
+            cands: Iterable[Service] = slots.values()
+            if namespace is not None:
+                cands = [s for s in cands if visible_to(s, namespace)]
+            best = find_best_match(cands, namespace)
+            if best is not None:
+                return best
+        if self._by_cidr_vip:
+            return self._best_by_cidr_vip(addr, namespace)
+        return None
+
+    def _best_by_cidr_vip(self, addr: NetworkAddress, namespace: str | None) -> Service | None:
+        """Rust ``get_best_by_cidr_vip``: rank (client's namespace, prefix length, canonical),
+        the first of equal rank winning."""
+        best: Service | None = None
+        best_rank: tuple[bool, int, bool] | None = None
+        ip = addr.address
+        for nc, svc in self._by_cidr_vip:
+            if nc.network != addr.network or ip.version != nc.cidr.version or ip not in nc.cidr:
+                continue
+            if namespace is not None and not visible_to(svc, namespace):
+                continue
+            rank = (
+                namespace is not None and svc.namespace == namespace,
+                nc.cidr.prefixlen,
+                svc.canonical,
+            )
+            if best_rank is None or rank > best_rank:
+                best, best_rank = svc, rank
+        return best
 
     def find_services_by_hostname(self, hostname: str) -> list[Service]:
         """All services with this hostname, one per namespace, ordered by namespace."""
@@ -345,23 +470,23 @@ class State:
         return [by_ns[ns] for ns in sorted(by_ns)] if by_ns else []
 
     def find_service_by_hostname(
-        self, hostname: str, prefer_namespace: str | None = None
+        self,
+        hostname: str,
+        prefer_namespace: str | None = None,
+        *,
+        preferred_namespace: str | None = None,
     ) -> Service | None:
-        """Pick among same-hostname services (ServiceEntry allows one per namespace): the
-        caller's namespace, else a ``canonical`` one, else the lowest namespace name."""
+        """Rust ``ServiceStore::get_best_by_host``: among same-hostname services (ServiceEntry
+        allows one per namespace) visible to a client in ``prefer_namespace`` (None: no
+        filter), the client's namespace, else the last ``canonical`` one, else one in
+        ``preferred_namespace`` (PREFERED_SERVICE_NAMESPACE), else the first inserted."""
         by_ns = self._by_host.get(hostname)
         if not by_ns:
             return None
+        cands: Iterable[Service] = by_ns.values()
         if prefer_namespace is not None:
-            s = by_ns.get(prefer_namespace)
-            if s is not None:
-                return s
-        if len(by_ns) == 1:
-            return next(iter(by_ns.values()))
-        canonical = [by_ns[ns] for ns in sorted(by_ns) if by_ns[ns].canonical]
-        if canonical:
-            return canonical[0]
-        return by_ns[min(by_ns)]
+            cands = [s for s in cands if visible_to(s, prefer_namespace)]
+        return find_best_match(cands, prefer_namespace, preferred_namespace)
 
     def services(self) -> Iterator[Service]:
         return iter(tuple(self._services.values()))
@@ -372,14 +497,36 @@ class State:
 
     # --- mixed lookups -------------------------------------------------------------------
 
-    def find_address(self, addr: NetworkAddress) -> Workload | Service | None:
+    def find_address(
+        self, addr: NetworkAddress, namespace: str | None = None
+    ) -> Workload | Service | None:
         """Workload or service at ``addr``. A workload IP wins over a service VIP, as in Rust
         ``ProxyState::find_address`` (outbound routing checks VIPs first itself: use
-        :meth:`find_service_by_vip` then :meth:`find_workload_by_addr` for that)."""
+        :meth:`find_service_by_vip` then :meth:`find_workload_by_addr` for that). ``namespace``
+        is the client's, for VIPs shared by several services and visibility."""
         w = self.find_workload_by_addr(addr)
         if w is not None:
             return w
-        return self.find_service_by_vip(addr)
+        return self.find_service_by_vip(addr, namespace)
+
+    async def fetch_address(
+        self, addr: NetworkAddress, namespace: str | None = None
+    ) -> Workload | Service | None:
+        """:meth:`find_address`, asking the control plane for ``"<network>/<ip>"`` first when
+        it is unknown and on-demand xDS is on (Rust ``DemandProxyState::fetch_address``)."""
+        found = self.find_address(addr, namespace)
+        if found is not None or self.demander is None:
+            return found
+        await self.demander(str(addr))
+        return self.find_address(addr, namespace)
+
+    async def fetch_workload_by_uid(self, uid: str) -> Workload | None:
+        """Rust ``fetch_workload_by_uid``: the uid, on demand when unknown."""
+        found = self._workloads.get(uid)
+        if found is not None or self.demander is None:
+            return found
+        await self.demander(uid)
+        return self._workloads.get(uid)
 
     def find_hostname(self, namespace: str, hostname: str) -> Workload | Service | None:
         """Service ``namespace/hostname``, else a workload with that hostname in the namespace."""
@@ -388,10 +535,13 @@ class State:
             return s
         return self.find_workload_by_hostname(hostname, namespace)
 
-    def find_gateway(self, gw: GatewayAddress) -> Workload | Service | None:
-        """Resolve a waypoint/network-gateway reference to what it names."""
+    def find_gateway(
+        self, gw: GatewayAddress, namespace: str | None = None
+    ) -> Workload | Service | None:
+        """Resolve a waypoint/network-gateway reference to what it names; ``namespace`` is the
+        client's (a VIP shared by several services, visibility: Rust find_upstream)."""
         if gw.address is not None:
-            return self.find_address(gw.address)
+            return self.find_address(gw.address, namespace)
         if gw.hostname is not None:
             return self.find_hostname(gw.hostname.namespace, gw.hostname.hostname)
         return None

@@ -10,11 +10,11 @@ import datetime as dt
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
@@ -179,6 +179,37 @@ def handshake(
     return res
 
 
+def refused_alert(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> str:
+    """A handshake where the client only reads afterwards (sending first would race the server's
+    close: unread data makes the kernel reset the connection and drop the alert); returns the
+    client's error, which carries the alert the server sent."""
+    s_sock, c_sock = socket.socketpair()
+    s_sock.settimeout(5)
+    c_sock.settimeout(5)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            with server_ctx.wrap_socket(s_sock, server_side=True):
+                pass
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            s_sock.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with client_ctx.wrap_socket(c_sock, server_hostname=None) as tls:
+            tls.recv(1)
+    except ssl.SSLError as e:
+        return str(e)
+    finally:
+        c_sock.close()
+        t.join(6)
+    raise AssertionError(f"client saw no alert (server: {errors})")
+
+
 def client_context_without_certificate(roots_pem: str) -> ssl.SSLContext:
     """Like an HBONE client context but presenting no certificate."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -187,3 +218,28 @@ def client_context_without_certificate(roots_pem: str) -> ssl.SSLContext:
     ctx.check_hostname = False
     ctx.load_verify_locations(cadata=roots_pem)
     return ctx
+
+
+def revocation_list(
+    ca: LocalCA, serials: Sequence[int], *, number: int = 1, signer: LocalCA | None = None
+) -> bytes:
+    """A PEM CRL issued by ``ca`` (signed by ``signer``'s key, default ``ca``'s: pass another
+    CA to forge one) revoking ``serials``."""
+    key = (signer or ca).root_key
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca.root_cert.subject)
+        .last_update(now - dt.timedelta(minutes=1))
+        .next_update(now + dt.timedelta(days=1))
+        .add_extension(x509.CRLNumber(number), critical=False)
+    )
+    for serial in serials:
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder()
+            .serial_number(serial)
+            .revocation_date(now - dt.timedelta(minutes=1))
+            .build()
+        )
+    crl = builder.sign(key, hashes.SHA256())
+    return crl.public_bytes(serialization.Encoding.PEM)

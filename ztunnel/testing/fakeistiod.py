@@ -246,6 +246,34 @@ def _address_name(pb: wl_pb.Address) -> str:
     return f"{pb.service.namespace}/{pb.service.hostname}"
 
 
+def _stream_node(live: _LiveStream) -> str:
+    node = live.record.node
+    if node is None or "NODE_NAME" not in node.metadata.fields:
+        return ""
+    return str(node.metadata.fields["NODE_NAME"].string_value)
+
+
+def _workload_node(payload: any_pb2.Any) -> str:
+    pb = wl_pb.Address()
+    try:
+        payload.Unpack(pb)
+    except Exception:
+        return ""
+    return pb.workload.node if pb.WhichOneof("type") == "workload" else ""
+
+
+def _aliases(pb: wl_pb.Address) -> list[str]:
+    """The ``<network>/<ip>`` keys istiod's ambient index answers for this address."""
+    if pb.WhichOneof("type") == "workload":
+        w = pb.workload
+        return [f"{w.network}/{ipaddress.ip_address(a)}" for a in w.addresses if len(a) in (4, 16)]
+    out = []
+    for a in pb.service.addresses:
+        if len(a.address) in (4, 16):
+            out.append(f"{a.network}/{ipaddress.ip_address(a.address)}")
+    return out
+
+
 def _to_address(obj: AddressLike) -> wl_pb.Address:
     if isinstance(obj, Workload | Service):
         return address_to_proto(obj)
@@ -461,6 +489,14 @@ class FakeIstiod:
         for live in list(self._live):
             if type_url not in live.subscriptions:
                 continue
+            names = live.subscriptions[type_url]
+            if names is not None and type_url == ADDRESS_TYPE_URL:
+                # On-demand streams also get new workloads on their own node (istiod's
+                # AdditionalPodSubscriptions), and are subscribed to them from then on.
+                node = _stream_node(live)
+                for name, payload in upserts:
+                    if node and payload is not None and _workload_node(payload) == node:
+                        names.add(name)
             resp = ds.DeltaDiscoveryResponse(type_url=type_url, system_version_info=ver)
             for name, _ in upserts:
                 if live.wants(type_url, name):
@@ -637,6 +673,9 @@ class FakeIstiod:
                 names = None
         live.subscriptions[type_url] = names
         table = self._resources[type_url]
+        if names is not None and type_url == ADDRESS_TYPE_URL:
+            self._on_demand(live, req, sub, names)
+            return
         resp = ds.DeltaDiscoveryResponse(type_url=type_url)
         known = dict(req.initial_resource_versions) if first else {}
         wanted = sorted(table) if names is None else sorted(sub & set(table))
@@ -647,6 +686,65 @@ class FakeIstiod:
         resp.removed_resources.extend(sorted(n for n in known if n not in table))
         if first or resp.resources or resp.removed_resources:
             self._send(live, resp)
+
+    def _on_demand(
+        self,
+        live: _LiveStream,
+        req: ds.DeltaDiscoveryRequest,
+        sub: set[str],
+        names: set[str],
+    ) -> None:
+        """Answer a non-wildcard (on-demand) Address request as istiod's WorkloadGenerator
+        (generateDeltasOndemand, AdditionalPodSubscriptions) does: each requested name may be a
+        resource name or an alias (``<network>/<ip>`` of a workload or a service VIP); a match
+        is sent under its own name with the alias in ``aliases``; a service brings the workloads
+        behind it; the workloads on the proxy's node (NODE_NAME metadata) are always sent;
+        requested names that match nothing come back in ``removed_resources``. The stream is
+        then subscribed to everything it was sent, so later changes are pushed."""
+        table = self._resources[ADDRESS_TYPE_URL]
+        decoded: dict[str, wl_pb.Address] = {}
+        for name, stored in table.items():
+            if stored.payload is None:
+                continue
+            pb = wl_pb.Address()
+            try:
+                stored.payload.Unpack(pb)
+            except Exception:
+                continue
+            decoded[name] = pb
+        aliases: dict[str, set[str]] = {}  # alias -> resource names
+        for name, pb in decoded.items():
+            for alias in _aliases(pb):
+                aliases.setdefault(alias, set()).add(name)
+        send: dict[str, list[str]] = {}  # resource name -> aliases it answers
+        missing: list[str] = []
+        for want in sorted(sub - {"*"}):
+            hits = {want} if want in decoded else aliases.get(want, set())
+            if not hits:
+                missing.append(want)
+                continue
+            for name in hits:
+                send.setdefault(name, [])
+                if name != want:
+                    send[name].append(want)
+        # Pods behind a requested or subscribed service (AdditionalPodSubscriptions).
+        services = {n for n in [*send, *names] if n in decoded and decoded[n].HasField("service")}
+        node = _stream_node(live)
+        for name, pb in decoded.items():
+            if not pb.HasField("workload"):
+                continue
+            w = pb.workload
+            in_service = any(k in services for k in w.services)
+            node_local = bool(node) and w.node == node and name not in names
+            if in_service or node_local:
+                send.setdefault(name, [])
+        names |= set(send)
+        resp = ds.DeltaDiscoveryResponse(type_url=ADDRESS_TYPE_URL)
+        for name in sorted(send):
+            self._add_resource(resp, name, table[name])
+            resp.resources[-1].aliases.extend(send[name])
+        resp.removed_resources.extend(missing)
+        self._send(live, resp)
 
     async def _write_responses(
         self, stream: Stream[ds.DeltaDiscoveryRequest, ds.DeltaDiscoveryResponse], live: _LiveStream

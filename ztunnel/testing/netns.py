@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,9 @@ from ztunnel.testing import iptables as ipt
 
 NS_PREFIX: Final = "ztb"
 STATE_DIR: Final = "/run/ztunnel-testbed"
+# ``ip netns exec NS`` bind-mounts /etc/netns/NS/<file> over /etc/<file> in a private mount
+# namespace for the command it runs: a per-namespace resolv.conf without touching the host's.
+ETC_NETNS: Final = "/etc/netns"
 UNDERLAY4: Final = "10.0.0.0/24"
 UNDERLAY6: Final = "fd00::/64"
 MAX_NODES: Final = 99
@@ -262,6 +266,9 @@ def _kill_processes_in(ns_names: Iterable[str]) -> None:
 def _delete_namespaces(names: Sequence[str]) -> None:
     if not names:
         return
+    for n in names:
+        if n.startswith(NS_PREFIX):  # only ever our own per-namespace /etc files
+            shutil.rmtree(os.path.join(ETC_NETNS, n), ignore_errors=True)
     subprocess.run(
         ["ip", "-force", "-batch", "-"],
         input="".join(f"netns del {n}\n" for n in names),
@@ -440,6 +447,19 @@ class Host:
                 proc.stop(timeout=1.0)
                 raise
         return proc
+
+    def set_resolv_conf(self, text: str) -> str:
+        """Give processes started in this namespace (``run``, ``popen``: ``ip netns exec``) their
+        own /etc/resolv.conf; returns its path. Rewritten in place on later calls, so a process
+        that already has it bind-mounted sees the change. Removed at teardown."""
+        d = os.path.join(ETC_NETNS, self.ns)
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, "resolv.conf")
+        with open(path, "a+") as f:
+            f.seek(0)
+            f.truncate()
+            f.write(text)
+        return path
 
     def sysctl(self, key: str, value: str | int | None = None) -> str:
         """Read (or with ``value``, write then read) a ``net.*`` sysctl of this namespace."""

@@ -5,9 +5,11 @@ and ``legacy``, not in the mesh) and node2 (pod ``echo``, in the mesh, behind th
 10.96.0.10:80; pod ``waypoint``, the waypoint of service reviews at 10.96.0.11:80), plus a host
 outside the mesh. Each node runs one ztunnel in shared (in-pod) mode,
 fed over ZDS by a node agent (``ztunnel.testing.nodeagent``) that installs istio-cni's in-pod
-rules and hands over each mesh pod's network namespace. ztunnel uses the bundled config
-(``ztunnel/examples/sandbox.yaml``) and the local CA. The sandbox sends traffic, prints what
-ztunnel logged, and tears everything down (also on Ctrl-C).
+rules (with DNS capture) and hands over each mesh pod's network namespace. ztunnel uses the
+bundled config (``ztunnel/examples/sandbox.yaml``) and the local CA; its upstream resolver is a
+dnsmasq on the outside host (node1's resolv.conf), and ``sleep`` has a Kubernetes-style
+resolv.conf, so its lookups go through ztunnel's DNS proxy. The sandbox resolves names and sends
+traffic, prints what ztunnel logged, and tears everything down (also on Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +46,42 @@ def _exchange(label: str, src: Host, ip: str, port: int) -> None:
         s.shutdown(socket.SHUT_WR)
     ms = (time.monotonic() - t) * 1000
     _say(f"  {label:<48} app saw client {peer[1]:<12} reply={reply!r} ({ms:.1f} ms)")
+
+
+def _lookup(label: str, src: Host, *cmd: str) -> str:
+    t = time.monotonic()
+    out = src.run(*cmd, check=False, timeout=20).stdout.split()
+    ms = (time.monotonic() - t) * 1000
+    got = out[0] if out else "(no answer)"
+    _say(f"  {label:<58} -> {got:<12} ({ms:.1f} ms)")
+    return got
+
+
+def _start_dnsmasq(host: Host) -> None:
+    """A plain foreground dnsmasq in the outside host's netns (no config file, no hosts file,
+    no upstream of its own): the cluster's "kube-dns" for names outside the mesh."""
+    host.popen(
+        "dnsmasq",
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",
+        "--no-resolv",
+        "--no-hosts",
+        "--pid-file=",
+        "--user=root",
+        "--log-facility=/dev/null",
+        "--bind-interfaces",
+        f"--listen-address={host.ip4}",
+        "--local=/example.test/",
+        "--local=/cluster.local/",
+        f"--host-record=outside.example.test,{host.ip4}",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while host.ip4 not in host.run("ss", "-Hlnu", "sport = :53", check=False).stdout:
+        if time.monotonic() > deadline:
+            raise SystemExit("dnsmasq did not start on the outside host")
+        time.sleep(0.05)
 
 
 def _describe(rec: Record) -> str:
@@ -98,10 +137,18 @@ def run(loop: str) -> int:
             "LOCAL_XDS_PATH": str(CONFIG),
             "ZTUNNEL_LOCAL_CA_DIR": os.path.join(tmp, "ca"),
         }
+        # DNS: dnsmasq on the outside host is ztunnel's upstream (node1's resolv.conf); sleep
+        # asks "kube-dns" (10.96.0.53), which istio-cni's DNS capture sends to ztunnel's 15053.
+        _start_dnsmasq(ext)
+        node1.set_resolv_conf(f"nameserver {ext.ip4}\n")
+        sleep.set_resolv_conf(
+            "search default.svc.cluster.local svc.cluster.local cluster.local\n"
+            "nameserver 10.96.0.53\noptions ndots:5\n"
+        )
         zts: dict[str, ZtunnelProcess] = {}
         for node, pods in ((node1, [sleep]), (node2, [echo, waypoint])):
             uds = os.path.join(tmp, f"{node.name}.sock")
-            agent = stack.enter_context(FakeNodeAgent(uds))
+            agent = stack.enter_context(FakeNodeAgent(uds, dns_capture=True))
             for pod in pods:
                 agent.put_pod(f"uid-{pod.name}", WorkloadInfo(pod.name, "default", pod.name), pod)
             env = {**common, "NODE_NAME": node.name, "INPOD_UDS": uds}
@@ -117,7 +164,31 @@ def run(loop: str) -> int:
             f"local CA in {tmp}/ca\n"
         )
 
-        _say("traffic:")
+        _say("DNS from sleep (captured to ztunnel's DNS proxy on 15053 in sleep's netns):")
+        vip = _lookup(
+            "getent hosts echo (answered from ztunnel's state)", sleep, "getent", "hosts", "echo"
+        )
+        _lookup(
+            "dig +short echo.default.svc.cluster.local AAAA (no IPv6 VIP)",
+            sleep,
+            "dig",
+            "+short",
+            "echo.default.svc.cluster.local",
+            "AAAA",
+        )
+        outside = _lookup(
+            "getent hosts outside.example.test (forwarded to dnsmasq)",
+            sleep,
+            "getent",
+            "hosts",
+            "outside.example.test",
+        )
+
+        _say("\ntraffic:")
+        if vip == "10.96.0.10":
+            _exchange("sleep -> echo by name (the VIP from DNS, HBONE)", sleep, vip, 80)
+        if outside == ext.ip4:
+            _exchange("sleep -> outside.example.test (passthrough)", sleep, outside, 9000)
         _exchange("sleep -> echo pod (HBONE)", sleep, echo.ip4, 8080)
         _exchange("sleep -> echo pod over IPv6 (HBONE)", sleep, echo.ip6, 8080)
         _exchange("sleep -> service VIP 10.96.0.10:80 (HBONE)", sleep, "10.96.0.10", 80)

@@ -13,6 +13,12 @@ Behaviour follows istio/ztunnel ``src/xds/client.rs`` and ``src/xds.rs``:
   the previous version of a rejected one). Then an ACK (``response_nonce``) or a NACK (plus
   ``error_detail.message``, the rejections joined by ``"; "``) goes back;
 * :attr:`AdsClient.synced` is set once every subscribed type has been ACKed (readiness);
+* with ``XDS_ON_DEMAND=true`` Address subscribes to nothing (``["*"]`` subscribed and
+  unsubscribed at once) and :meth:`AdsClient.demand` asks for one name at a time (a uid,
+  ``ns/hostname`` or ``<network>/<ip>``), returning once a response names it: as a resource,
+  one of its ``aliases`` (istiod answers an IP with the workload or service under its own name)
+  or a removal (istiod's answer for a name it does not know). Rust ``Demander``; demanded names
+  are subscribed again after a reconnect;
 * reconnects back off exponentially (10 ms doubling to 15 s, as ztunnel); a stream that ended
   normally, a goaway-style status or a dropped connection after data reconnect quickly.
 
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +77,8 @@ ADS_METHOD = f"/{_ADS.full_name}/{_ADS.methods_by_name['DeltaAggregatedResources
 
 INITIAL_BACKOFF = 0.01
 MAX_BACKOFF = 15.0
+DEMAND_TIMEOUT = 5.0  # how long a connection waits for an on-demand answer
+MAX_DEMANDED = 10_000  # demanded names kept for resubscription after a reconnect
 DEFAULT_INSTANCE_IP = "1.1.1.1"
 ISTIO_META_PREFIX = "ISTIO_META_"
 ISTIO_METAJSON_PREFIX = "ISTIO_METAJSON_"
@@ -190,6 +198,8 @@ def build_node(config: Config, env: Mapping[str, str]) -> ds.Node:
         ("NODE_NAME", config.node_name),
     ):
         fields[key].string_value = value
+    for key, value in config.proxy_metadata:  # mesh config / PROXY_CONFIG proxyMetadata
+        fields[key].string_value = value
     for key in sorted(env):
         if key.startswith(ISTIO_META_PREFIX) and len(key) > len(ISTIO_META_PREFIX):
             fields[key[len(ISTIO_META_PREFIX) :]].string_value = env[key]
@@ -254,7 +264,7 @@ class AdsClient:
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
         self._connect_timeout = connect_timeout
-        self._decoders: dict[str, Callable[[bytes], None]] = {
+        self._decoders: dict[str, Callable[[str, bytes], None]] = {
             ADDRESS_TYPE_URL: self._apply_address,
             AUTHORIZATION_TYPE_URL: self._apply_authorization,
         }
@@ -274,6 +284,12 @@ class AdsClient:
         self.metrics = XdsMetrics()
         self.connection_id = 0
         self._task: asyncio.Task[None] | None = None
+        # On-demand: name -> waiters; names asked for (resubscribed on reconnect, bounded);
+        # the live stream's sender (None between streams) and a lock serialising its sends.
+        self._pending: dict[str, list[asyncio.Future[None]]] = {}
+        self._demanded: dict[str, None] = {}
+        self._send: Callable[[ds.DeltaDiscoveryRequest], Awaitable[None]] | None = None
+        self._send_lock = asyncio.Lock()
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -284,6 +300,45 @@ class AdsClient:
     def resource_versions(self, type_url: str) -> dict[str, str]:
         """A copy of name -> version of the resources of ``type_url`` currently applied."""
         return dict(self._versions.get(type_url, {}))
+
+    async def demand(self, name: str, timeout: float = DEMAND_TIMEOUT) -> None:
+        """Ask istiod for the Address resource ``name`` and wait (at most ``timeout``) until a
+        response answers it. A no-op unless XDS_ON_DEMAND; concurrent demands for one name
+        share one request."""
+        if not self._on_demand:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._pending.setdefault(name, [])
+        waiters.append(fut)
+        self._demanded.pop(name, None)
+        self._demanded[name] = None
+        while len(self._demanded) > MAX_DEMANDED:
+            del self._demanded[next(iter(self._demanded))]
+        try:
+            if len(waiters) == 1 and self._send is not None:
+                log.debug("xDS on-demand request for %s", name)
+                req = ds.DeltaDiscoveryRequest(type_url=ADDRESS_TYPE_URL)
+                req.resource_names_subscribe.append(name)
+                try:
+                    async with self._send_lock:
+                        await self._send(req)
+                except Exception as e:  # the stream broke: the reconnect asks again
+                    log.debug("xDS on-demand request for %s not sent: %s", name, e)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), timeout)
+            except TimeoutError:
+                log.warning("xDS on-demand request for %s timed out after %.1fs", name, timeout)
+        finally:
+            left = self._pending.get(name)
+            if left is not None and fut in left:
+                left.remove(fut)
+                if not left:
+                    del self._pending[name]
+
+    def _answered(self, name: str) -> None:
+        for fut in self._pending.pop(name, ()):
+            if not fut.done():
+                fut.set_result(None)
 
     async def wait_synced(self) -> None:
         """Return once every subscribed type has been ACKed at least once."""
@@ -370,9 +425,11 @@ class AdsClient:
             req = ds.DeltaDiscoveryRequest(type_url=type_url)
             req.node.CopyFrom(self._node)
             if self._on_demand and type_url == ADDRESS_TYPE_URL:
-                # "Subscribe to nothing": xDS has no other way to say it (ztunnel does the same).
+                # "Subscribe to nothing": xDS has no other way to say it (ztunnel does the same),
+                # plus whatever was demanded before a reconnect.
                 req.resource_names_subscribe.append("*")
                 req.resource_names_unsubscribe.append("*")
+                req.resource_names_subscribe.extend(self._demanded)
             req.initial_resource_versions.update(self._versions[type_url])
             reqs.append(req)
         return reqs
@@ -393,14 +450,16 @@ class AdsClient:
                     await stream.send_request()
                 attempt.established = True
                 self.metrics.connects += 1
-                for req in self._initial_requests():
-                    log.debug(
-                        "xDS stream %d: initial request %s (%d known resources)",
-                        self.connection_id,
-                        req.type_url,
-                        len(req.initial_resource_versions),
-                    )
-                    await stream.send_message(req)
+                async with self._send_lock:
+                    for req in self._initial_requests():
+                        log.debug(
+                            "xDS stream %d: initial request %s (%d known resources)",
+                            self.connection_id,
+                            req.type_url,
+                            len(req.initial_resource_versions),
+                        )
+                        await stream.send_message(req)
+                    self._send = stream.send_message
                 log.info("xDS stream %d established to %s", self.connection_id, self.target.address)
                 while True:
                     resp = await stream.recv_message()
@@ -410,21 +469,25 @@ class AdsClient:
                         await stream.recv_trailing_metadata()
                         return
                     attempt.responses += 1
-                    await stream.send_message(self._handle_response(resp))
+                    ack = self._handle_response(resp)
+                    async with self._send_lock:
+                        await stream.send_message(ack)
         finally:
+            self._send = None
             channel.close()
 
     # -- responses ------------------------------------------------------------------------------
 
-    def _apply_address(self, data: bytes) -> None:
+    def _apply_address(self, name: str, data: bytes) -> None:
         obj = decode_address(data)
         if isinstance(obj, Workload):
             self._handler.upsert_workload(obj)
         else:
             self._handler.upsert_service(obj)
 
-    def _apply_authorization(self, data: bytes) -> None:
-        self._handler.upsert_policy(decode_authorization(data))
+    def _apply_authorization(self, name: str, data: bytes) -> None:
+        # Keyed by the resource name, as Rust's policy store is (a removal names it).
+        self._handler.upsert_policy(decode_authorization(data, name))
 
     def _handle_response(self, resp: ds.DeltaDiscoveryResponse) -> ds.DeltaDiscoveryRequest:
         """Apply one response; return the ACK or NACK to send."""
@@ -458,7 +521,7 @@ class AdsClient:
                         raise ConversionError(
                             "resource.type_url", f"{payload.type_url!r} in a {type_url} response"
                         )
-                    apply(payload.value)
+                    apply(res.name, payload.value)
                 except ConversionError as e:
                     rejections.append(Rejection(res.name, str(e)))
                     continue
@@ -482,6 +545,14 @@ class AdsClient:
                     self._handler.response_applied(type_url, changes)
                 except Exception as e:
                     log.error("xDS handler response_applied(%s) failed", type_url, exc_info=e)
+            if self._pending and type_url == ADDRESS_TYPE_URL:
+                # After the state holds them (Rust notify_on_demand after handle()).
+                for res in resp.resources:
+                    self._answered(res.name)
+                    for alias in res.aliases:
+                        self._answered(alias)
+                for name in resp.removed_resources:
+                    self._answered(name)
         ack = ds.DeltaDiscoveryRequest(type_url=type_url, response_nonce=resp.nonce)
         if rejections:
             ack.error_detail.message = "; ".join(str(r) for r in rejections)

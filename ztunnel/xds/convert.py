@@ -7,17 +7,21 @@ istio/ztunnel ``src/state/workload.rs``, ``src/state/service.rs`` and ``src/rbac
 
 * empty ``trust_domain`` -> ``cluster.local``, empty ``service_account`` -> ``default``, empty
   ``cluster_id`` -> ``Kubernetes``, unset ``capacity`` -> 1, application tunnel port 0 -> none;
-* IPs are raw 4 or 16 bytes (IPv4-mapped IPv6 is canonicalised to IPv4);
+* IPs are raw 4 or 16 bytes; IPv4-mapped IPv6 (``::ffff:a.b.c.d``) stays IPv6, as Rust's
+  ``byte_to_ip`` keeps it (only socket addresses are canonicalised, in ``core/addr.py``);
 * enums that steer routing or security (tunnel protocol, status, network mode, IP families,
-  load balancing, policy scope and action, visibility) must hold a known value; the telemetry
-  ones (workload type, port app protocol) fall back to their default, as in Rust;
+  load balancing, policy scope and action) must hold a known value; the telemetry ones
+  (workload type, port app protocol) fall back to their default, and an unknown service
+  ``visibility`` means PUBLIC (Rust ``Service::try_from`` fails open there);
 * ``LEGACY_ISTIO_MTLS`` tunnels, gateways without a destination, service keys without a ``/``
-  and unspecified load-balancing scopes are rejected.
+  and unspecified load-balancing scopes are rejected;
+* in an authorization policy, a ``StringMatch`` with no kind set and an address that is not
+  a valid CIDR (bad length, prefix longer than the address) are dropped from their list and
+  the rest of the policy is kept (Rust ``RbacMatch::try_from`` uses ``filter_map``). Dropping
+  entries can widen a rule exactly as it does in Rust: a match left empty is skipped.
 
-Stricter than Rust, on purpose: a port above 65535 is rejected (Rust truncates it), and a
-policy with an empty ``StringMatch`` or a malformed CIDR is rejected (Rust drops that entry,
-which can silently widen an ALLOW rule). A rejected resource is NACKed and the previous version
-stays in force.
+Stricter than Rust, on purpose: a port above 65535 is rejected (Rust truncates it). A rejected
+resource is NACKed and the previous version stays in force.
 
 Every failure raises :class:`ConversionError` naming the field path, e.g.
 ``workload.addresses[1]: IP address must be 4 or 16 bytes, got 5``.
@@ -32,7 +36,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
-from ztunnel.core.addr import IPAddr, IPNet, canonical_ip
+from ztunnel.core.addr import IPAddr, IPNet
 from ztunnel.state.model import (
     ApplicationTunnel,
     AppProtocol,
@@ -127,15 +131,19 @@ def _enum_or(cls: type[_E], value: int, default: _E) -> _E:
 
 
 def _ip(raw: bytes, field: str) -> IPAddr:
+    # Rust byte_to_ip: 4 bytes IPv4, 16 bytes IPv6, IPv4-mapped kept as IPv6.
     if len(raw) == 4:
         return ipaddress.IPv4Address(raw)
     if len(raw) == 16:
-        return canonical_ip(ipaddress.IPv6Address(raw))
+        return ipaddress.IPv6Address(raw)
     raise ConversionError(field, f"IP address must be 4 or 16 bytes, got {len(raw)}")
 
 
 def _cidr(raw: bytes, length: int, field: str) -> IPNet:
-    """A raw IP plus prefix length. Host bits are masked (the network contains the same IPs)."""
+    """A raw IP plus prefix length (Rust ``IpNet::new(byte_to_ip(..), length as u8)``: the
+    length is truncated to 8 bits first). Host bits are masked (the network holds the same
+    IPs). An IPv4-mapped address stays an IPv6 network, as in Rust."""
+    length &= 0xFF
     net: IPNet
     if len(raw) == 4:
         if length > 32:
@@ -145,12 +153,7 @@ def _cidr(raw: bytes, length: int, field: str) -> IPNet:
     if len(raw) == 16:
         if length > 128:
             raise ConversionError(field, f"prefix length {length} exceeds 128 for an IPv6 address")
-        ip6 = ipaddress.IPv6Address(raw)
-        mapped = ip6.ipv4_mapped
-        if mapped is not None and length >= 96:
-            # ::ffff:a.b.c.d/120 is a.b.c.d/24: keep matching canonicalised (IPv4) peers.
-            return ipaddress.IPv4Network((mapped, length - 96), strict=False)
-        net = ipaddress.IPv6Network((ip6, length), strict=False)
+        net = ipaddress.IPv6Network((ipaddress.IPv6Address(raw), length), strict=False)
         return net
     raise ConversionError(field, f"IP address must be 4 or 16 bytes, got {len(raw)}")
 
@@ -317,7 +320,8 @@ def service_from_proto(pb: wl_pb.Service, field: str = "service") -> Service:
         cidr_vips=tuple(cidr_vips),
         ingress_use_waypoint=pb.ingress_use_waypoint,
         weighted_waypoints=tuple(weighted),
-        visibility=_enum(ServiceVisibility, pb.visibility, f"{field}.visibility"),
+        # Unknown values mean PUBLIC (Rust: try_from(..).unwrap_or_default()).
+        visibility=_enum_or(ServiceVisibility, pb.visibility, ServiceVisibility.PUBLIC),
     )
 
 
@@ -357,14 +361,13 @@ _STRING_MATCH_KINDS = {
 }
 
 
-def _string_matches(items: Iterable[authz_pb.StringMatch], field: str) -> tuple[StringMatch, ...]:
+def _string_matches(items: Iterable[authz_pb.StringMatch]) -> tuple[StringMatch, ...]:
+    """Rust ``Option<StringMatch>::from`` + ``filter_map``: a match with no kind is dropped."""
     out: list[StringMatch] = []
-    for i, sm in enumerate(items):
+    for sm in items:
         which = sm.WhichOneof("match_type")
         if which is None:
-            raise ConversionError(
-                f"{field}[{i}]", "string match has no exact/prefix/suffix/presence"
-            )
+            continue
         kind = _STRING_MATCH_KINDS[which]
         value = "" if kind is StringMatchKind.PRESENCE else str(getattr(sm, which))
         out.append(StringMatch(kind, value))
@@ -372,7 +375,14 @@ def _string_matches(items: Iterable[authz_pb.StringMatch], field: str) -> tuple[
 
 
 def _cidrs(items: Iterable[authz_pb.Address], field: str) -> tuple[IPNet, ...]:
-    return tuple(_cidr(a.address, a.length, f"{field}[{i}]") for i, a in enumerate(items))
+    """Rust ``filter_map(|a| a.try_into().ok())``: an invalid CIDR is dropped, not an error."""
+    out: list[IPNet] = []
+    for i, a in enumerate(items):
+        try:
+            out.append(_cidr(a.address, a.length, f"{field}[{i}]"))
+        except ConversionError:
+            continue
+    return tuple(out)
 
 
 def _ports(items: Iterable[int], field: str) -> tuple[int, ...]:
@@ -387,12 +397,12 @@ def _service_accounts(
 
 def _match(pb: authz_pb.Match, field: str) -> Match:
     return Match(
-        namespaces=_string_matches(pb.namespaces, f"{field}.namespaces"),
-        not_namespaces=_string_matches(pb.not_namespaces, f"{field}.not_namespaces"),
+        namespaces=_string_matches(pb.namespaces),
+        not_namespaces=_string_matches(pb.not_namespaces),
         service_accounts=_service_accounts(pb.service_accounts),
         not_service_accounts=_service_accounts(pb.not_service_accounts),
-        principals=_string_matches(pb.principals, f"{field}.principals"),
-        not_principals=_string_matches(pb.not_principals, f"{field}.not_principals"),
+        principals=_string_matches(pb.principals),
+        not_principals=_string_matches(pb.not_principals),
         source_ips=_cidrs(pb.source_ips, f"{field}.source_ips"),
         not_source_ips=_cidrs(pb.not_source_ips, f"{field}.not_source_ips"),
         destination_ips=_cidrs(pb.destination_ips, f"{field}.destination_ips"),
@@ -403,9 +413,10 @@ def _match(pb: authz_pb.Match, field: str) -> Match:
 
 
 def authorization_from_proto(
-    pb: authz_pb.Authorization, field: str = "authorization"
+    pb: authz_pb.Authorization, field: str = "authorization", *, name: str = ""
 ) -> Authorization:
-    """Convert an ``istio.security.Authorization``; its xDS name is ``"<namespace>/<name>"``."""
+    """Convert an ``istio.security.Authorization``. ``name`` is the xDS resource name, its key
+    in the store (istiod sends ``"<namespace>/<name>"``; any other name is kept as the key)."""
     if not pb.name:
         raise ConversionError(f"{field}.name", "empty (namespace/name is the key)")
     rules = tuple(
@@ -429,10 +440,11 @@ def authorization_from_proto(
         action=_enum(PolicyAction, pb.action, f"{field}.action"),
         rules=rules,
         dry_run=pb.dry_run,
+        xds_name="" if name == f"{pb.namespace}/{pb.name}" else name,
     )
 
 
-def decode_authorization(data: bytes) -> Authorization:
+def decode_authorization(data: bytes, name: str = "") -> Authorization:
     """Parse and convert the bytes of an ``istio.security.Authorization`` resource."""
     try:
         pb = authz_pb.Authorization.FromString(data)
@@ -440,7 +452,7 @@ def decode_authorization(data: bytes) -> Authorization:
         raise ConversionError(
             "authorization", f"cannot decode istio.security.Authorization: {e}"
         ) from None
-    return authorization_from_proto(pb)
+    return authorization_from_proto(pb, name=name)
 
 
 # --- model -> protobuf (the fake istiod and tests push model objects) --------------------------

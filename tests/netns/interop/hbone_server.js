@@ -10,7 +10,8 @@
 // whatever the :authority (a service hostname), the stream is piped to that fixed address, where
 // the destination's own HBONE server terminates the inner tunnel.
 //
-// Usage: node hbone_server.js '<json>' with port, cert, key, ca, trustDomain[, reply, forward].
+// Usage: node hbone_server.js '<json>' with port, cert, key, ca, trustDomain[, reply,
+// responseBaggage, forward].
 // Prints "READY <port>", then one JSON line per stream event.
 'use strict';
 const fs = require('fs');
@@ -72,7 +73,9 @@ server.on('stream', (stream, headers) => {
   }
   if (typeof cfg.reply === 'string') {
     let echoed = 0;
-    stream.respond({ ':status': 200 });
+    const head = { ':status': 200 };
+    if (cfg.responseBaggage) head.baggage = cfg.responseBaggage; // as a ztunnel's 200 carries
+    stream.respond(head);
     stream.write(cfg.reply);
     stream.on('data', (c) => { echoed += c.length; stream.write(c); });
     stream.on('end', () => stream.end());

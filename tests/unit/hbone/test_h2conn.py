@@ -1058,7 +1058,10 @@ def test_header_block_size_limit() -> None:
 
 
 def test_closed_stream_memory_is_bounded() -> None:
-    c, s = connected_pair(max_concurrent_streams=5000)
+    c, s = connected_pair(
+        max_concurrent_streams=5000,
+        limits=h2mod.FloodLimits(early_resets=5000, control_frames=5000),
+    )
     for _ in range(1100):
         sid = c.open_stream("10.0.0.1:80")
         c.reset_stream(sid)
@@ -1435,3 +1438,233 @@ def test_interop_h2_reset_and_goaway() -> None:
     ev = ours.receive_data(theirs.data_to_send())
     assert ev == [GoAwayReceived(sid2, ErrorCode.NO_ERROR, b"")]
     assert ours.available_streams == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile peers: flood budgets (nghttp2 / Envoy defences), rapid reset, CONTINUATION flood,
+# SETTINGS cost, streams held until their work ends (issue 13)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def flood_server(**limits: Any) -> tuple[H2Connection, hpack.Encoder, FakeClock]:
+    clock = FakeClock()
+    s, enc = raw_server(limits=h2mod.FloodLimits(**limits), clock=clock)
+    return s, enc, clock
+
+
+@pytest.mark.parametrize(
+    ("name", "one"),
+    [
+        ("ping", frame(PING, 0, 0, b"12345678")),
+        ("settings", frame(SETTINGS, 0, 0)),
+        ("priority", frame(PRIORITY, 0, 1, b"\0\0\0\0\x10")),
+        ("unknown", frame(0x42, 0, 0, b"x")),
+        ("settings-ack", frame(SETTINGS, FLAG_ACK, 0)),
+    ],
+)
+def test_control_frame_flood_ends_with_enhance_your_calm(name: str, one: bytes) -> None:
+    s, _, clock = flood_server(control_frames=50)
+    s.receive_data(one * 49)  # within the budget (the client's SETTINGS was the 50th)
+    s.data_to_send()
+    clock.now += 1.5  # a new window: the budget is back
+    s.receive_data(one * 50)
+    s.data_to_send()
+    expect_conn_error(s, one, ErrorCode.ENHANCE_YOUR_CALM)
+
+
+def test_ping_flood_replies_are_bounded_by_the_budget() -> None:
+    # Attack 4: PINGs never read; the replies queued are at most the budget's worth.
+    s, _, _ = flood_server(control_frames=100)
+    with pytest.raises(RemoteProtocolError) as info:
+        s.receive_data(frame(PING, 0, 0, b"12345678") * 100_000)
+    assert info.value.error_code == ErrorCode.ENHANCE_YOUR_CALM
+    acks = [f for f in parse_frames(s.data_to_send_bytes()) if f[0] == PING]
+    assert len(acks) == 99  # (the client's SETTINGS took one)
+
+
+def test_window_update_flood() -> None:
+    s, _, _ = flood_server(window_updates=20)
+    wu = frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1))
+    s.receive_data(wu * 20)
+    expect_conn_error(s, wu, ErrorCode.ENHANCE_YOUR_CALM)
+
+
+def test_empty_data_and_header_fragments_flood() -> None:
+    # CVE-2019-9518: empty DATA without END_STREAM, and empty CONTINUATION frames.
+    s, enc, _ = flood_server(empty_frames=10)
+    s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 1, connect_block(enc)))
+    s.receive_data(frame(DATA, 0, 1) * 10)
+    expect_conn_error(s, frame(DATA, 0, 1), ErrorCode.ENHANCE_YOUR_CALM)
+
+    s, enc, _ = flood_server(empty_frames=10, max_continuations=1000)
+    s.receive_data(frame(HEADERS, 0, 1, connect_block(enc)))
+    s.receive_data(frame(CONTINUATION, 0, 1) * 10)
+    expect_conn_error(s, frame(CONTINUATION, 0, 1), ErrorCode.ENHANCE_YOUR_CALM)
+
+
+def test_empty_end_stream_data_is_not_a_flood() -> None:
+    s, enc, _ = flood_server(empty_frames=1)
+    for sid in range(1, 20, 2):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        ev = s.receive_data(frame(DATA, FLAG_END_STREAM, sid))
+        assert of(ev, StreamEnded)
+
+
+def test_continuation_flood_cve_2024_27316() -> None:
+    # Attack 5: endless (empty or not) CONTINUATION frames are cut at max_continuations.
+    s, enc, _ = flood_server(max_continuations=8)
+    block = connect_block(enc)
+    s.receive_data(frame(HEADERS, 0, 1, block[:1]))
+    s.receive_data(frame(CONTINUATION, 0, 1, b"") * 8)
+    expect_conn_error(s, frame(CONTINUATION, 0, 1, b""), ErrorCode.ENHANCE_YOUR_CALM)
+    # ... and a block split over a few frames is fine.
+    s, enc, _ = flood_server(max_continuations=8)
+    block = connect_block(enc)
+    cut = [len(block) * k // 9 for k in range(10)]
+    chunks = [block[cut[k] : cut[k + 1]] for k in range(9)]
+    parts = [frame(HEADERS, 0, 1, chunks[0])]
+    parts += [frame(CONTINUATION, 0, 1, c) for c in chunks[1:-1]]
+    parts.append(frame(CONTINUATION, FLAG_END_HEADERS, 1, chunks[-1]))
+    assert len(parts) == 9
+    assert of(s.receive_data(b"".join(parts)), RequestReceived)
+
+
+def test_continuation_header_block_size_is_capped() -> None:
+    s, enc, _ = flood_server(max_continuations=10_000)
+    s.receive_data(frame(HEADERS, 0, 1, connect_block(enc)))
+    with pytest.raises(RemoteProtocolError) as info:
+        s.receive_data(frame(CONTINUATION, 0, 1, b"\0" * 16_384) * 20)
+    assert info.value.error_code == ErrorCode.ENHANCE_YOUR_CALM
+
+
+def test_rapid_reset_cve_2023_44487() -> None:
+    s, enc, clock = flood_server(early_resets=20, control_frames=10_000)
+    sid = 1
+    for _ in range(20):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
+        sid += 2
+    clock.now += 2
+    for _ in range(20):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
+        sid += 2
+    s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+    s.data_to_send()
+    expect_conn_error(
+        s, frame(RST_STREAM, 0, sid, struct.pack(">I", 8)), ErrorCode.ENHANCE_YOUR_CALM
+    )
+
+
+def test_resets_after_the_response_are_not_rapid_resets() -> None:
+    s, enc, _ = flood_server(early_resets=2, control_frames=10_000)
+    for sid in range(1, 200, 2):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        s.send_response(sid, 200)
+        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
+    assert not s.closed
+
+
+def test_held_streams_count_until_released() -> None:
+    # Attack 2: a stream reset by the peer keeps counting against MAX_CONCURRENT_STREAMS until
+    # the application's work for it ended (release_stream), so resets cannot multiply work.
+    s, enc = raw_server(max_concurrent_streams=3, hold_streams=True)
+    for sid in (1, 3, 5):
+        assert of(
+            s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc))),
+            RequestReceived,
+        )
+        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
+    assert s.open_streams == 0 and s.held_streams == 3
+    s.data_to_send()
+    assert not of(
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 7, connect_block(enc))), RequestReceived
+    )
+    assert rst_codes(s) == {7: ErrorCode.REFUSED_STREAM}
+    s.release_stream(1)
+    assert s.held_streams == 2
+    assert of(
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 9, connect_block(enc))), RequestReceived
+    )
+    s.release_stream(1)  # twice: ignored
+    s.release_stream(12345)  # unknown: ignored
+    assert s.held_streams == 2
+
+
+def test_without_hold_streams_a_reset_frees_the_slot() -> None:
+    s, enc = raw_server(max_concurrent_streams=1)
+    for sid in (1, 3, 5):
+        assert of(
+            s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc))),
+            RequestReceived,
+        )
+        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
+
+
+def test_early_data_stays_owed_until_released() -> None:
+    # Attack 3: DATA then RST must not refund the connection window while the app still holds
+    # the copies; acknowledging or releasing returns it.
+    s, enc = raw_server(hold_streams=True, connection_window_size=1 * MiB)
+    window0 = s._conn_recv_window
+    s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 1, connect_block(enc)))
+    s.receive_data(frame(DATA, 0, 1, b"x" * 100_000))
+    s.receive_data(frame(RST_STREAM, 0, 1, struct.pack(">I", ErrorCode.CANCEL)))
+    s.data_to_send()
+    assert s._conn_recv_window + s._conn_recv_pending == window0 - 100_000
+    s.acknowledge_received_data(1, 40_000)
+    assert s._conn_recv_window + s._conn_recv_pending == window0 - 60_000
+    s.release_stream(1)
+    assert s._conn_recv_window + s._conn_recv_pending == window0
+    s.acknowledge_received_data(1, 60_000)  # late: ignored
+    assert s._conn_recv_window + s._conn_recv_pending == window0
+
+
+def test_settings_with_many_entries_and_many_streams_is_one_pass() -> None:
+    # Attack 1: repeated INITIAL_WINDOW_SIZE entries with many streams open: the streams are
+    # touched once per frame, not once per entry, and a frame has at most 32 entries.
+    s, enc = raw_server(max_concurrent_streams=500)
+    for sid in range(1, 400, 2):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        s.send_response(sid, 200)
+    s.data_to_send()
+    entries = b"".join(
+        struct.pack(">HI", SettingCode.INITIAL_WINDOW_SIZE, 70_000 + i) for i in range(32)
+    )
+    ev = s.receive_data(frame(SETTINGS, 0, 0, entries))
+    assert len(of(ev, WindowUpdated)) == 200  # one per stream
+    assert {e.delta for e in of(ev, WindowUpdated)} == {70_031 - 65_535}
+    assert s._streams[1].send_window == 70_031
+    too_many = entries + struct.pack(">HI", SettingCode.INITIAL_WINDOW_SIZE, 1)
+    expect_conn_error(s, frame(SETTINGS, 0, 0, too_many), ErrorCode.ENHANCE_YOUR_CALM)
+
+
+def test_header_table_size_updates_stay_bounded() -> None:
+    _c, s = connected_pair()
+    for size in (100, 0, 4096, 50, 4096, 200) * 5:
+        s.receive_data(frame(SETTINGS, 0, 0, settings_payload(header_table_size=size)))
+    assert s._table_size_updates == [0, 200]
+
+
+def test_request_reset_in_the_same_batch_then_response_is_stream_closed() -> None:
+    """Found by fuzzing (fuzz/corpus/h2_server/found-reset-in-same-batch): HEADERS and then
+    RST_STREAM for the same stream in one receive_data call yield RequestReceived then
+    StreamReset; answering the request afterwards raises StreamClosedError (the documented race
+    the transport suppresses), and with hold_streams the stream still counts until released."""
+    s, enc = raw_server(hold_streams=True)
+    ev = s.receive_data(
+        frame(HEADERS, FLAG_END_HEADERS, 1, connect_block(enc))
+        + frame(RST_STREAM, 0, 1, struct.pack(">I", ErrorCode.CANCEL))
+    )
+    assert [type(e) for e in ev] == [RequestReceived, StreamReset]
+    with pytest.raises(StreamClosedError):
+        s.send_response(1, 200)
+    assert s.held_streams == 1
+    s.release_stream(1)
+    assert s.held_streams == 0

@@ -450,3 +450,97 @@ async def test_cancelling_a_bridge_resets_its_stream_only(contexts) -> None:
         assert p.client.active_streams == 1
         for s in (t.app, t.upstream, other.app, other.upstream):
             s.close()
+
+
+# --- hostile peers (issue 13) -------------------------------------------------------------
+
+
+def _raw_frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">IBI", len(payload) << 8 | ftype, flags, sid) + payload
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("bridged", [False, True], ids=["no-stream", "stream-bridged"])
+async def test_connection_error_sends_goaway_then_closes(contexts, bridged: bool) -> None:
+    """Attacks 7 and 8: a connection-level error from the peer, with or without a bridged
+    stream, reaches the peer as a GOAWAY with the error code before the close, and no internal
+    error (the loop's exception handler would fail this test) happens on the way."""
+    async with hbone_pair(contexts) as p:
+        if bridged:
+            t = await p.tunnel()
+            t.app.send(b"hello")
+            assert await recv_exact(t.upstream, 5) == b"hello"
+        goaways: list[h2.GoAwayReceived] = []
+        dispatch = p.client._dispatch
+
+        def spy(events: list[h2.Event]) -> None:
+            goaways.extend(e for e in events if isinstance(e, h2.GoAwayReceived))
+            dispatch(events)
+
+        p.client._dispatch = spy  # type: ignore[method-assign]
+        # A WINDOW_UPDATE of 0 on the connection: PROTOCOL_ERROR (RFC 9113 6.9).
+        p.client._tls_write(_raw_frame(h2.WINDOW_UPDATE, 0, 0, b"\0\0\0\0"))
+        p.client._push()
+        await asyncio.wait_for(asyncio.shield(p.server.closed), 5)
+        assert p.server.protocol_error is not None
+        await asyncio.wait_for(asyncio.shield(p.client.closed), 5)
+        assert [g.error_code for g in goaways] == [h2.ErrorCode.PROTOCOL_ERROR]
+        if bridged:  # the app's connection was closed (reset: the stream failed)
+            with contextlib.suppress(ConnectionResetError):
+                assert await recv_all(t.upstream) == b""
+            t.app.close()
+            t.upstream.close()
+
+
+@pytest.mark.both_loops
+async def test_input_pauses_while_the_peer_does_not_read(contexts) -> None:
+    """A peer that sends PINGs and never reads: once our unsent output passes the high-water
+    mark we stop reading from it (replies cannot pile up), and resume once it drains."""
+    calm = {"limits": h2.FloodLimits(control_frames=10**9)}  # (the client gets 1000s of ACKs)
+    async with hbone_pair(contexts, client_h2=calm, server_h2=calm) as p:  # type: ignore[arg-type]
+        p.client.loop.remove_reader(p.client.fd)  # the client stops reading
+        p.raw_server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        ping = _raw_frame(h2.PING, 0, 0, b"12345678") * 4096
+        for _ in range(400):
+            if p.server._input_paused:
+                break
+            p.client._tls_write(ping)
+            p.client._push()
+            await asyncio.sleep(0.01)
+        assert p.server._input_paused
+        assert p.server._out_size < 4 * MiB  # bounded: not 1:1 with what the client sent
+        pauses = [0]
+        pause = p.server._pause_input
+
+        def counting_pause() -> None:
+            pauses[0] += 1
+            pause()
+
+        p.server._pause_input = counting_pause  # type: ignore[method-assign]
+        p.client.loop.add_reader(p.client.fd, p.client._on_readable)
+        # Resumed once the client reads (it may pause again on the pings still queued).
+        for _ in range(500):
+            if not p.server._input_paused or pauses[0]:
+                break
+            await asyncio.sleep(0.01)
+        assert not p.server._input_paused or pauses[0]
+
+
+@pytest.mark.both_loops
+async def test_alpn_without_h2_is_refused_with_an_alert(contexts) -> None:
+    ca = LocalCA.ephemeral()
+    cert = ca.issue(Identity("cluster.local", "default", "server"))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["http/1.1"])
+    tc, ts = tcp_pair()
+    from ztunnel.hbone.transport import AlpnRefused
+
+    with pytest.raises(AlpnRefused, match=r"http/1\.1"):
+        await asyncio.gather(
+            tls_handshake(ts, server_context(cert), server_side=True, require_alpn=b"h2"),
+            tls_handshake(tc, ctx, server_side=False),
+        )
+    tc.close()
+    ts.close()

@@ -29,6 +29,7 @@ from ztunnel.testing.certs import (
     intermediate_ca,
     issue_via,
     not_yet_valid_certificate,
+    refused_alert,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -198,11 +199,19 @@ def test_certificate_from_another_ca_fails_the_handshake(
 def test_other_trust_domain_rejected_by_server_check(
     ca: LocalCA, server_cert: WorkloadCertificate
 ) -> None:
+    # Rust TrustDomainVerifier fails the handshake: the client gets an alert (bad_certificate,
+    # rustls CertificateError::Other), not a completed handshake and then EOF.
     foreign = ca.issue(Identity("evil.example", "default", "client"))
     res = handshake(server_context(server_cert), client_context(foreign))
-    assert res.ok and res.server_peer_der is not None
+    assert isinstance(res.server_error, ssl.SSLCertVerificationError)
+    assert "certificate rejected" in str(res.server_error)
+    assert isinstance(res.client_error, ssl.SSLError)  # the alert, or a reset racing it
+    assert "ALERT_BAD_CERTIFICATE" in refused_alert(
+        server_context(server_cert), client_context(foreign)
+    )
+    # The post-handshake check still says why (callers without the in-handshake hook).
     with pytest.raises(TlsIdentityError, match=r"trust domain 'cluster\.local'"):
-        verify_client_trust_domain(res.server_peer_der, server_cert.identity.trust_domain)
+        verify_client_trust_domain(_der(foreign), server_cert.identity.trust_domain)
     # Any SAN in the trust domain is enough; the identity returned is still the first one.
     both = ca.issue(foreign.identity, uri_sans=[str(foreign.identity), str(CLIENT)])
     assert verify_client_trust_domain(_der(both), TD) == foreign.identity

@@ -737,3 +737,50 @@ async def test_closed_socket_is_rejected_and_other_closed() -> None:
         assert leg.down.fileno() == -1
     finally:
         leg.close_ends()
+
+
+def test_pipe_pool_bounds_the_pipes_out_at_once() -> None:
+    """Issue 13: a pipe whose destination stops reading stays out; at most max_in_use are."""
+    pool = PipePool(max_in_use=2)
+    a, b = pool.get(), pool.get()
+    with pytest.raises(BlockingIOError):
+        pool.get()
+    assert pool.stats().limited == 1 and pool.stats().in_use == 2
+    pool.discard(a)
+    pool.put(pool.get())
+    pool.put(b)
+    pool.close()
+
+
+@pytest.mark.both_loops
+async def test_stuck_destinations_do_not_pin_more_than_max_in_use_pipes() -> None:
+    """Connections whose destination never reads: each holds its pipe (with data) until then;
+    past max_in_use the next ones copy with buffers instead, and every byte still arrives."""
+    pool = PipePool(max_in_use=1)
+    legs = [make_leg(), make_leg()]
+    tasks = [asyncio.create_task(copy_bidirectional(g.down, g.up, pipes=pool)) for g in legs]
+    try:
+        senders = [
+            asyncio.ensure_future(in_thread(lambda g=g: send_all_then_fin(g.client, 3, 6 * MiB)))
+            for g in legs
+        ]
+        await asyncio.sleep(0.5)  # nobody reads the servers: the first leg pins the pipe
+        assert pool.stats().in_use <= 1
+        assert pool.stats().limited >= 1
+        readers = [
+            asyncio.ensure_future(in_thread(lambda g=g: recv_to_eof(g.server))) for g in legs
+        ]
+        sent = await asyncio.gather(*senders)
+        got = await asyncio.gather(*readers)
+        for g in legs:
+            g.server.shutdown(socket.SHUT_WR)
+        await asyncio.gather(*(in_thread(lambda g=g: recv_to_eof(g.client)) for g in legs))
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    finally:
+        for g in legs:
+            g.close_ends()
+    assert [x[0] for x in got] == [6 * MiB, 6 * MiB]
+    assert [x[1] for x in got] == list(sent)
+    assert all(r.down_to_up == 6 * MiB for r in results)
+    assert pool.stats().in_use == 0
+    pool.close()

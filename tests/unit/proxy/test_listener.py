@@ -101,3 +101,55 @@ async def test_drain_cancels_what_is_left_at_the_deadline() -> None:
     assert cancelled == [True] and lst.active == 0
     assert conns[0].fileno() == -1 and gauge == [True, False]
     c.close()
+
+
+@pytest.mark.both_loops
+async def test_connections_within_the_fd_reserve_are_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 13: before RLIMIT_NOFILE, accepted connections are reset at once and counted;
+    the handler never runs for them, and one warning line is logged per second at most."""
+    import resource
+
+    from ztunnel.net.fdbudget import FdBudget
+
+    seen: list[socket.socket] = []
+
+    async def handler(conn: socket.socket) -> None:
+        seen.append(conn)
+
+    lst = Listener(_listening(), handler, "test")
+    lst.budget = FdBudget(reserve=0)
+    monkeypatch.setattr(resource, "getrlimit", lambda _r: (3, 3))  # every fd is over it
+    lst.start()
+    # (blocking connects: the kernel completes them before the listener runs)
+    clients = [socket.create_connection(lst.address, timeout=2) for _ in range(5)]
+    await _until(lambda: lst.refused == 5)
+    assert not seen and lst.accepted == 0
+    for c in clients:  # each got a RST
+        with pytest.raises(ConnectionResetError):
+            c.recv(1)
+        c.close()
+    assert sum("budget exhausted" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.undo()
+    c = await _connect(lst)
+    await _until(lambda: len(seen) == 1)
+    await lst.close()
+    c.close()
+
+
+@pytest.mark.both_loops
+async def test_pass_peer_gives_the_handler_accepts_address() -> None:
+    peers: list[object] = []
+
+    async def handler(conn: socket.socket, peer: object) -> None:
+        peers.append(peer)
+
+    lst = Listener(_listening(), handler, "test")
+    lst.pass_peer = True
+    lst.start()
+    c = await _connect(lst)
+    await _until(lambda: len(peers) == 1)
+    assert peers[0] == c.getsockname()
+    await lst.close()
+    c.close()

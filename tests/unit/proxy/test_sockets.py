@@ -74,3 +74,29 @@ async def test_connect_times_out_and_can_be_cancelled() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_out_of_fds_is_an_upstream_connect_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13 (attack 6): EMFILE creating the upstream socket, or an fd within the reserve,
+    is an UpstreamConnectError (503 inbound), never an exception outside the handler's try."""
+    import errno
+    import resource
+
+    from ztunnel.core.errors import UpstreamConnectError
+    from ztunnel.net.fdbudget import FdBudget
+    from ztunnel.proxy import sockets as sockets_mod
+
+    factory = SocketFactory(mark=None, budget=FdBudget(reserve=0))
+
+    def emfile(*_a: object, **_k: object) -> socket.socket:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with monkeypatch.context() as m:
+        m.setattr(sockets_mod.socket, "socket", emfile)
+        with pytest.raises(UpstreamConnectError, match="Too many open files"):
+            await factory.connect(SocketAddr.parse("127.0.0.1:1"))
+    assert factory.budget.under_pressure
+    with monkeypatch.context() as m:
+        m.setattr(resource, "getrlimit", lambda _r: (3, 3))
+        with pytest.raises(UpstreamConnectError, match="budget exhausted"):
+            await factory.connect(SocketAddr.parse("127.0.0.1:1"))

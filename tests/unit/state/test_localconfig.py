@@ -115,7 +115,7 @@ def test_rust_shape_loads_and_applies() -> None:
     assert local.services == {"default/example.com": {80: 8080}, "default/example2.com": {80: 8080}}
     # Defaults the file leaves out.
     assert local.trust_domain == "cluster.local"
-    assert local.cluster_id == "Kubernetes"
+    assert local.cluster_id == ""  # Rust file mode: no clusterId means empty
     assert local.capacity == 1
     assert local.status is WorkloadStatus.HEALTHY
     (p,) = cfg.policies
@@ -352,7 +352,7 @@ def test_workload_defaults() -> None:
         "Kubernetes//v1/Pod/ns/a",
         "cluster.local",
         "default",
-        "Kubernetes",
+        "",  # Rust: serde default, empty (no clusterId in baggage)
     )
     assert (w.protocol, w.capacity, w.addresses, w.network, w.services) == (
         TunnelProtocol.NONE,
@@ -458,13 +458,6 @@ BAD: list[tuple[str, str, str, str, str]] = [
         "workloads[0].networkMode",
         "Host\n",
         "HostNetwork",
-    ),
-    (
-        "bad-workload-type",
-        W + "  workloadType: statefulset\n",
-        "workloads[0].workloadType",
-        "statefulset",
-        "deployment",
     ),
     (
         "bad-bool",
@@ -634,13 +627,6 @@ BAD: list[tuple[str, str, str, str, str]] = [
         "services[1]",
         "{name: b",
         "duplicate service 'ns/h' (services[0])",
-    ),
-    (
-        "dup-vip",
-        "services:\n- {name: a, namespace: ns, hostname: h, vips: [/1.1.1.1]}\n- {name: b, namespace: ns, hostname: i, vips: [/1.1.1.1]}\n",
-        "services[1].vips[0]",
-        "@2:/1.1.1.1",
-        "already used by service 'ns/h'",
     ),
 ]
 

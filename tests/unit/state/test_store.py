@@ -208,15 +208,18 @@ def test_service_lookups_and_vip_reindex() -> None:
     assert st.find_service_by_hostname(s2.hostname) is None
 
 
-def test_removing_service_keeps_vip_taken_over_by_another() -> None:
+def test_same_namespace_vip_slot_is_dropped_with_either_service() -> None:
+    # Rust ServiceStore::insert_internal replaces the VIP's slot for the namespace (last
+    # writer wins within a namespace) and ServiceStore::remove drops that namespace's slot
+    # whoever holds it: removing the old service unroutes the VIP for the new one too.
     st = State()
     old = svc("10.96.0.1", host="old.ns.svc.cluster.local")
     new = svc("10.96.0.1", host="new.ns.svc.cluster.local")
     st.upsert_service(old)
-    st.upsert_service(new)  # last writer wins, as in Rust
+    st.upsert_service(new)
     assert st.find_service_by_vip(na("10.96.0.1")) is new
     st.remove_service(old.key)
-    assert st.find_service_by_vip(na("10.96.0.1")) is new
+    assert st.find_service_by_vip(na("10.96.0.1")) is None
 
 
 def test_find_address_precedence_follows_rust() -> None:
@@ -237,16 +240,17 @@ def test_find_address_precedence_follows_rust() -> None:
         ({"a": False}, None, "a"),
         ({"a": False}, "zzz", "a"),
         ({"a": False, "b": False}, "b", "b"),
-        ({"a": False, "b": False}, None, "a"),  # deterministic: lowest namespace
+        ({"a": False, "b": False}, None, "a"),  # the first inserted
         ({"a": False, "b": True}, None, "b"),  # canonical wins outside the caller's namespace
         ({"a": False, "b": True}, "c", "b"),
         ({"a": False, "b": True}, "a", "a"),  # caller's namespace beats canonical
-        ({"a": False, "b": True, "c": True}, None, "b"),
+        ({"a": False, "b": True, "c": True}, None, "c"),  # the last canonical one
     ],
 )
 def test_hostname_preference(present: dict[str, bool], prefer: str | None, want: str) -> None:
+    # Rust ServiceMatch::find_best_match over by_host in insertion order (here: sorted).
     st = State()
-    for ns in reversed(sorted(present)):  # insertion order must not matter
+    for ns in sorted(present):
         st.upsert_service(svc(ns=ns, host="api.example.com", canonical=present[ns]))
     got = st.find_service_by_hostname("api.example.com", prefer)
     assert got is not None and got.namespace == want

@@ -160,7 +160,10 @@ async def test_on_demand_subscribes_to_no_addresses() -> None:
     async with FakeIstiod() as istiod:
         istiod.set_addresses(wl("a", "10.0.0.1"))
         state = State()
-        client, _ = await synced_client(istiod, state, XDS_ON_DEMAND="true")
+        # (DNS capture off: with the DNS proxy, on-demand xDS is a config error, as in Rust)
+        client, _ = await synced_client(
+            istiod, state, XDS_ON_DEMAND="true", ISTIO_META_DNS_CAPTURE="false"
+        )
         async with running(client):
             await asyncio.wait_for(client.wait_synced(), 5)  # Authorization alone gates it
             stream = await istiod.wait_streams(1)

@@ -215,10 +215,11 @@ def test_workload_explicit_zero_capacity_and_app_tunnel_without_port() -> None:
     assert w.application_tunnel == ApplicationTunnel(AppTunnelProtocol.NONE, None)
 
 
-def test_ipv4_mapped_addresses_are_canonicalised() -> None:
+def test_ipv4_mapped_addresses_stay_ipv6() -> None:
+    # Rust byte_to_ip keeps 16 bytes as an IPv6 address (see tests/unit/test_rust_decisions.py).
     w = decode_address(workload_address(s(20, "u"), ld(3, ip("::ffff:10.1.2.3"))))
     assert isinstance(w, Workload)
-    assert w.addresses == (ipaddress.IPv4Address("10.1.2.3"),)
+    assert w.addresses == (ipaddress.IPv6Address("::ffff:10.1.2.3"),)
 
 
 def test_unknown_telemetry_enum_falls_back() -> None:
@@ -365,7 +366,6 @@ def test_service_unpacked_repeated_enum_is_accepted() -> None:
         ),
         ((s(3, "h"), ld(8, vi(2, 7))), "service.load_balancing.mode", "unknown"),
         ((s(3, "h"), vi(9, 8)), "service.ip_families", "unknown IPFamilies"),
-        ((s(3, "h"), vi(14, 3)), "service.visibility", "unknown"),
         ((s(3, "h"), ld(13, vi(2, 1))), "service.weighted_waypoints[0].destination", "missing"),
         ((s(1, "no-host"),), "service.hostname", "empty"),
     ],
@@ -480,7 +480,7 @@ def test_authorization_defaults_and_cidr_details() -> None:
     assert pol.namespace == "" and pol.key == "/p" and not pol.dry_run
     m = pol.rules[0].clauses[0].matches[0]
     assert m.source_ips == (ipaddress.ip_network("10.1.2.0/24"),)  # host bits masked
-    assert m.destination_ips == (ipaddress.ip_network("10.0.0.0/8"),)  # mapped -> IPv4
+    assert m.destination_ips == (ipaddress.ip_network("::ffff:10.0.0.0/104"),)  # stays IPv6
 
 
 def _policy_with_match(*match: bytes) -> bytes:
@@ -493,19 +493,6 @@ M0 = "authorization.rules[0].clauses[0].matches[0]"
 @pytest.mark.parametrize(
     ("body", "field", "reason"),
     [
-        (_policy_with_match(ld(3, b"")), f"{M0}.principals[0]", "no exact/prefix/suffix/presence"),
-        (_policy_with_match(ld(1, exact("a")), ld(1)), f"{M0}.namespaces[1]", "string match"),
-        (_policy_with_match(ld(5, cidr("10.0.0.0", 33))), f"{M0}.source_ips[0]", "exceeds 32"),
-        (
-            _policy_with_match(ld(8, cidr("fd00::", 129))),
-            f"{M0}.not_destination_ips[0]",
-            "exceeds 128",
-        ),
-        (
-            _policy_with_match(ld(6, ld(1, b"\x01\x02"), vi(2, 8))),
-            f"{M0}.not_source_ips[0]",
-            "got 2",
-        ),
         (_policy_with_match(packed(9, 80, 65536)), f"{M0}.destination_ports[1]", "65536"),
         (s(1, "p") + vi(3, 3), "authorization.scope", "unknown PolicyScope value 3"),
         (s(1, "p") + vi(4, 2), "authorization.action", "unknown PolicyAction value 2"),
