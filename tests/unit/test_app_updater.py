@@ -1,4 +1,4 @@
-"""app._Updater: certificates of workloads that leave the node over xDS are forgotten."""
+"""app._updater: certificates of workloads that leave the node over xDS are forgotten."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from ztunnel.app import _Updater
+from ztunnel.app import _updater
 from ztunnel.config import Config
 from ztunnel.core.addr import parse_ip
 from ztunnel.identity.localca import LocalCA
@@ -48,7 +48,7 @@ async def test_departed_identities_are_forgotten_over_xds() -> None:
         state = State()
         secrets = SecretManager(LocalCA.ephemeral())
         env = {"XDS_ADDRESS": istiod.address, "AUTH_TOKEN": "t", "NODE_NAME": NODE}
-        client = AdsClient(Config.from_env(env), _Updater(state, secrets, NODE))
+        client = AdsClient(Config.from_env(env), _updater(state, secrets, NODE))
         client.start()
         try:
             await asyncio.wait_for(client.wait_synced(), 10)
@@ -75,7 +75,7 @@ async def test_identity_kept_while_another_workload_on_the_node_has_it() -> None
     # clears it; workloads on other nodes neither hold nor clear it.
     state = State()
     secrets = SecretManager(LocalCA.ephemeral())
-    up = _Updater(state, secrets, NODE)
+    up = _updater(state, secrets, NODE)
     try:
         a, b, elsewhere = pod(1, "shared"), pod(2, "shared"), pod(3, "shared", node="node-2")
         for w in (a, b, elsewhere):
