@@ -367,14 +367,20 @@ class InboundHbone:
         # nothing here: the source is known only from its baggage.
         origin = _header(ev.headers, X_FORWARDED_NETWORK)
         from_gateway = origin is not None and origin.lower() != network.lower()
+        src_workload: Workload | None = None
+        if not from_gateway:
+            src_addr = NetworkAddress(network, src.ip)
+            src_workload = ctx.state.find_workload_by_addr(src_addr)
+            if src_workload is None and ctx.state.demander is not None:
+                # Rust fetch_workload_by_address: with on-demand xDS the source is fetched too
+                found = await ctx.state.fetch_address(src_addr)
+                src_workload = found if isinstance(found, Workload) else None
         rec = ConnectionRecord(
             "inbound",
             src,
             decided.upstream,
             hbone_addr=target,
-            src_workload=None
-            if from_gateway
-            else ctx.state.find_workload_by_addr(NetworkAddress(network, src.ip)),
+            src_workload=src_workload,
             dst_workload=local,
             dst_service=decided.services[0] if isinstance(target, HostnameAuthority) else None,
             src_identity=peer_id,
