@@ -29,6 +29,7 @@ from ztunnel.admin.readiness import Readiness, ReadinessHandler, ReadyToken
 from ztunnel.admin.stats import StatsHandler
 from ztunnel.config import Config, CopyMode, ProxyMode
 from ztunnel.core.addr import IPAddr, parse_ip
+from ztunnel.identity.crl import RELOAD_CHECK_INTERVAL as CRL_RELOAD_CHECK_INTERVAL
 from ztunnel.identity.crl import CrlError, CrlManager
 from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
@@ -68,6 +69,7 @@ class App:
     _zds_task: asyncio.Task[None] | None = None
     xds: AdsClient | None = None
     ca_client: IstioCAClient | None = None
+    crl: CrlManager | None = None  # CRL_PATH
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     metrics: Metrics | None = None
     policies: PolicyIndex | None = None
@@ -124,6 +126,7 @@ class App:
                 crl = CrlManager(cfg.crl_path, on_reject=lambda r: rejections.labels(r).inc())
             except CrlError as e:
                 raise StartupError(f"CRL_PATH: {e}") from None
+        self.crl = crl
         return TlsPolicy(tls12=cfg.tls12_enabled, crl=crl)
 
     def _build_secrets(self) -> SecretManager:
@@ -197,6 +200,8 @@ class App:
             self.trimmer = IdleTrimmer()
             if self.trimmer.available:
                 self._spawn(self.trimmer.run(trim))
+        if self.crl is not None:
+            self._spawn(self._watch_crl(self.crl))
         companions = self._dns_companions()
         build = instance_factory(
             cfg,
@@ -315,6 +320,22 @@ class App:
             await asyncio.sleep(interval)
             for inst in self._instances():
                 inst.ctx.tracker.flush_metrics()
+
+    async def _watch_crl(self, crl: CrlManager) -> None:
+        """CRL_PATH: poll the file (one stat a second) and, when new CRLs are loaded, close the
+        live inbound connections whose peer is now revoked (Rust re-checks established
+        connections on reload). Handshakes check the file too, so a revocation is never missed
+        between polls."""
+        seen = crl.generation
+        while True:
+            await asyncio.sleep(CRL_RELOAD_CHECK_INTERVAL)
+            crl.maybe_reload()
+            if crl.generation == seen:
+                continue
+            seen = crl.generation
+            closed = sum(inst.inbound.close_revoked(crl) for inst in self._instances())
+            if closed:
+                log.warning("CRL reload: closed %d connection(s) with a revoked peer", closed)
 
     def _bind_servers(self) -> None:
         cfg = self.config

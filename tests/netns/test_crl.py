@@ -116,3 +116,40 @@ def test_revoked_client_refused_then_accepted_after_reload(bed: Bed) -> None:
     # A new CRL without the serial: accepted again.
     bed.write_crl(revocation_list(m.ca, [], number=2))
     wait_for(lambda: bed.attempt(bed.revoked) == "ok")
+
+
+def test_live_connection_closed_when_its_peer_is_revoked(bed: Bed) -> None:
+    """Rust re-checks established connections when the CRLs change: a connection opened before
+    the revocation is closed, its stream logged with ``certificate revoked``; a good peer's
+    connection lives on."""
+    m = bed.m
+    assert m.ext is not None
+    bed.write_crl(revocation_list(m.ca, [], number=10))
+    victim = m.ca.issue(TESTER)
+    since = len(m.ztb.records)
+    before = bed.rejections()
+    with (
+        HboneClient.connect(m.ext, m.b.ip4, cert=victim, roots_pem=m.ca.root_pem) as doomed,
+        HboneClient.connect(m.ext, m.b.ip4, cert=bed.good, roots_pem=m.ca.root_pem) as fine,
+    ):
+        sid = doomed.connect_stream(f"{m.b.ip4}:{ECHO}")
+        doomed.send(sid, b"before\n")
+        assert doomed.read(sid, 7) == b"before\n"
+        ok = fine.connect_stream(f"{m.b.ip4}:{ECHO}")
+        bed.write_crl(revocation_list(m.ca, [victim.serial], number=11))
+        why = doomed.wait_closed(timeout=10)  # within a poll interval or two
+        assert why, why
+        rec = m.ztb.wait_for(
+            lambda r: (
+                r.get("message") == "connection complete"
+                and "certificate revoked" in str(r.get("error", ""))
+            ),
+            10,
+            start=since,
+        )
+        assert rec["src.identity"] == str(TESTER)
+        # the other peer's connection is untouched
+        fine.send(ok, b"still here\n", end_stream=True)
+        assert fine.read_to_end(ok) == b"still here\n"
+    assert bed.rejections() >= before + 1
+    bed.write_crl(revocation_list(m.ca, [], number=12))

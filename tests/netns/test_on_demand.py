@@ -120,6 +120,17 @@ def test_on_demand_fetches_only_what_connections_need(bed: Bed) -> None:
         )
     )
     assert rec["direction"] == "outbound"
+    # On b's node the source was unknown too: the inbound side fetched it (Rust
+    # fetch_workload_by_address), so its access log names the source workload.
+    inbound = m.ztunnel_of("b").wait_for(
+        lambda r: (
+            r.get("message") == "connection complete"
+            and r.get("direction") == "inbound"
+            and r.get("dst.hbone_addr") == f"{b.ip4}:{ECHO}"
+        )
+    )
+    assert inbound.get("src.workload") == "a", inbound
+    assert uid["a"] in bed.dump_uids("n2")
     # A service VIP: the service and the pods behind it come in one answer.
     with connect_from(a, "10.96.0.50", 80, timeout=10) as s:
         peer = recv_line(s).split()

@@ -87,6 +87,16 @@ class H2Failure(ProxyError):
     flag = ResponseFlag.H2_HANDSHAKE_FAILURE
 
 
+class CertificateRevoked(ProxyError):
+    """The peer's certificate was revoked by a CRL reload while the connection was up (Rust
+    ``Error::CertificateRevoked``, response flag CERT_REVOKED)."""
+
+    flag = ResponseFlag.CERT_REVOKED
+
+    def __init__(self) -> None:
+        super().__init__("certificate revoked")
+
+
 _DISCONNECT_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
 
 

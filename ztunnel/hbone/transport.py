@@ -886,14 +886,15 @@ class HboneConnection:
         self._out = []
         self._out_size = 0
 
-    def close(self) -> None:
-        """Close now: GOAWAY (best effort), then drop the socket; streams fail."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Close now: GOAWAY (best effort), then drop the socket; streams fail (with ``error``
+        when given, e.g. the peer's certificate was revoked)."""
         if self.closed.done():
             return
         with contextlib.suppress(Exception):
             self.h2.close()
             self.flush()
-        self._teardown(None)
+        self._teardown(error)
 
     def send_goaway(self) -> None:
         """Graceful drain: no new streams; existing ones run on."""

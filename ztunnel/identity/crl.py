@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,6 +191,22 @@ class CrlManager:
             if ok:
                 return True
         return False
+
+    def revoked_peer(self, peer_der: bytes, issuers: Sequence[x509.Certificate]) -> bool:
+        """Whether a live connection's peer leaf is revoked now: the leaf (DER) checked against
+        a CRL signed by the first of ``issuers`` (our own intermediates and roots, which a mesh
+        peer's chain shares) whose subject is the leaf's issuer. Used to re-check established
+        connections after a reload (Rust closes the revoked ones); an unknown issuer means
+        unknown status, allowed, as :meth:`is_revoked` does."""
+        if not self._crls or not peer_der:
+            return False
+        try:
+            leaf = x509.load_der_x509_certificate(peer_der)
+        except ValueError:
+            return False
+        issuer_name = leaf.issuer
+        issuer = next((c for c in issuers if c.subject == issuer_name), None)
+        return self.is_revoked(leaf, issuer)
 
     def rejected(self, reporter: str, peer: str) -> None:
         """Count and (rate-limited) log a connection refused for a revoked certificate."""

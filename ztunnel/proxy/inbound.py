@@ -25,9 +25,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from cryptography import x509
+
 from ztunnel.config import HBONE_PORT, ILLEGAL_PORTS
 from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr, parse_ip
-from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
+from ztunnel.core.errors import AuthorizationDenied, CertificateRevoked, ProxyError, reportable
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
 from ztunnel.hbone.headers import (
@@ -39,6 +41,7 @@ from ztunnel.hbone.headers import (
     parse_baggage,
 )
 from ztunnel.hbone.transport import AlpnRefused, HboneConnection, HboneError, tls_handshake
+from ztunnel.identity.crl import CrlManager
 from ztunnel.identity.manager import CertificateError, SecretManager
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
 from ztunnel.net.copy import CopyCounters
@@ -123,6 +126,9 @@ class InboundHbone:
             max_continuations=cfg.h2_max_continuations,
         )
         self.connections: set[HboneConnection] = set()
+        # each connection's CA certificates (ours, which a mesh peer's chain shares): the
+        # issuers its peer's leaf is re-checked against when the CRLs change
+        self._issuers: dict[HboneConnection, tuple[x509.Certificate, ...]] = {}
         self._warned = 0.0
         self._suppressed = 0
         self._starter = _FairStarter()
@@ -156,6 +162,19 @@ class InboundHbone:
         """Drain: tell every peer to open no new streams here."""
         for conn in list(self.connections):
             conn.send_goaway()
+
+    def close_revoked(self, crl: CrlManager) -> int:
+        """After a CRL reload: close every connection whose peer certificate is now revoked
+        (Rust re-checks live connections' chains and tears the revoked ones down); their
+        streams end with ``certificate revoked`` (flag CERT_REVOKED). Returns how many."""
+        closed = 0
+        for conn, issuers in list(self._issuers.items()):
+            if conn.closed.done() or not crl.revoked_peer(conn.peer_der, issuers):
+                continue
+            crl.rejected("destination", f"{conn.peer_identity} (live connection)")
+            conn.close(CertificateRevoked())
+            closed += 1
+        return closed
 
     async def handle(self, sock: socket.socket, peer: tuple[Any, ...] | None = None) -> None:
         """Serve one accepted connection; ``peer`` is the address accept() returned."""
@@ -241,6 +260,7 @@ class InboundHbone:
         )
         conn = HboneConnection(sock, sslobj, inbio, outbio, h2c, on_request=on_request)
         self.connections.add(conn)
+        self._issuers[conn] = (*cert.intermediates, *cert.roots)
         try:
             await asyncio.shield(conn.closed)
             if conn.protocol_error is not None:
@@ -268,6 +288,7 @@ class InboundHbone:
             raise
         finally:
             self.connections.discard(conn)
+            self._issuers.pop(conn, None)
 
     async def _serve(
         self,
@@ -367,14 +388,20 @@ class InboundHbone:
         # nothing here: the source is known only from its baggage.
         origin = _header(ev.headers, X_FORWARDED_NETWORK)
         from_gateway = origin is not None and origin.lower() != network.lower()
+        src_workload: Workload | None = None
+        if not from_gateway:
+            src_addr = NetworkAddress(network, src.ip)
+            src_workload = ctx.state.find_workload_by_addr(src_addr)
+            if src_workload is None and ctx.state.demander is not None:
+                # Rust fetch_workload_by_address: with on-demand xDS the source is fetched too
+                found = await ctx.state.fetch_address(src_addr)
+                src_workload = found if isinstance(found, Workload) else None
         rec = ConnectionRecord(
             "inbound",
             src,
             decided.upstream,
             hbone_addr=target,
-            src_workload=None
-            if from_gateway
-            else ctx.state.find_workload_by_addr(NetworkAddress(network, src.ip)),
+            src_workload=src_workload,
             dst_workload=local,
             dst_service=decided.services[0] if isinstance(target, HostnameAuthority) else None,
             src_identity=peer_id,

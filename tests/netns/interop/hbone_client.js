@@ -105,9 +105,15 @@ function maybeDone() {
   finishing = true;
   const finish = () => {
     out.rstCode = req.rstCode;
-    session.close(() => {
-      console.log(JSON.stringify(out));
-      process.exit(0);
+    // A PING round trip first: once its ACK is back the server has read every frame sent before
+    // it (TCP keeps the order), DATA and END_STREAM included. Exiting sooner can close the
+    // socket with the server's frames unread, which makes the kernel send RST and drop what
+    // was still queued for the server.
+    session.ping(() => {
+      session.close(() => {
+        console.log(JSON.stringify(out));
+        process.exit(0);
+      });
     });
   };
   if (req.closed) finish();
