@@ -382,7 +382,8 @@ class Family:
 
 
 class _FamilySnapshot(Metric):
-    """A point-in-time view of a :class:`Family`; ``samples`` is built only if someone asks."""
+    """A point-in-time view of a :class:`Family`; ``samples`` is built only if someone asks
+    (subclasses say how in :meth:`_build`)."""
 
     def __init__(self, family: Family, cells: list[Cell]) -> None:
         super().__init__(family.name, family.documentation, family.kind)
@@ -390,14 +391,17 @@ class _FamilySnapshot(Metric):
         self.cells = cells
         self._built = False
 
+    def _build(self) -> list[Sample]:
+        name, names = self.family._sample_name, self.family.labelnames
+        return [
+            Sample(name, dict(zip(names, cell.key, strict=False)), cell.value, None, None)
+            for cell in self.cells
+        ]
+
     @property
     def samples(self) -> list[Sample]:
         if not self._built:
-            name, names = self.family._sample_name, self.family.labelnames
-            self._samples = [
-                Sample(name, dict(zip(names, cell.key, strict=False)), cell.value, None, None)
-                for cell in self.cells
-            ]
+            self._samples = self._build()
             self._built = True
         return self._samples
 
@@ -1088,34 +1092,20 @@ class HistogramFamily:
 
 class _HistogramSnapshot(_FamilySnapshot):
     def __init__(self, family: HistogramFamily, cells: list[HistogramCell]) -> None:
-        Metric.__init__(self, family.name, family.documentation, "histogram")
-        self.family = family  # type: ignore[assignment]
-        self.cells = cells  # type: ignore[assignment]
-        self._built = False
+        super().__init__(family, cells)  # type: ignore[arg-type]
 
-    @property
-    def samples(self) -> list[Sample]:
-        if not self._built:
-            fam: HistogramFamily = self.family  # type: ignore[assignment]
-            out: list[Sample] = []
-            for cell in self.cells:
-                labels = dict(zip(fam.labelnames, cell.key, strict=False))
-                c: HistogramCell = cell  # type: ignore[assignment]
-                out.append(Sample(fam.name + "_sum", labels, c.sum, None, None))
-                out.append(Sample(fam.name + "_count", labels, c.count, None, None))
-                for le, n in zip(fam.bound_text, c.buckets, strict=True):
-                    out.append(Sample(fam.name + "_bucket", {**labels, "le": le}, n, None, None))
-                out.append(
-                    Sample(fam.name + "_bucket", {**labels, "le": "+Inf"}, c.count, None, None)
-                )
-            self._samples = out
-            self._built = True
-        return self._samples
-
-    @samples.setter
-    def samples(self, value: list[Sample]) -> None:
-        self._samples = value
-        self._built = bool(value)
+    def _build(self) -> list[Sample]:
+        fam: HistogramFamily = self.family  # type: ignore[assignment]
+        out: list[Sample] = []
+        for cell in self.cells:
+            labels = dict(zip(fam.labelnames, cell.key, strict=False))
+            c: HistogramCell = cell  # type: ignore[assignment]
+            out.append(Sample(fam.name + "_sum", labels, c.sum, None, None))
+            out.append(Sample(fam.name + "_count", labels, c.count, None, None))
+            for le, n in zip(fam.bound_text, c.buckets, strict=True):
+                out.append(Sample(fam.name + "_bucket", {**labels, "le": le}, n, None, None))
+            out.append(Sample(fam.name + "_bucket", {**labels, "le": "+Inf"}, c.count, None, None))
+        return out
 
 
 class DnsMetrics:
