@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ztunnel.core.addr import SocketAddr
@@ -79,6 +80,14 @@ def parse_baggage(value: str | None) -> Baggage:
         elif key == "cloud.availability_zone":
             fields["zone"] = val
     return Baggage(**fields)
+
+
+def header_value(headers: Sequence[tuple[str, str]], name: str) -> str | None:
+    """The first value of ``name`` in a decoded header list (names are lower-case in HTTP/2)."""
+    for k, v in headers:
+        if k == name:
+            return v
+    return None
 
 
 def forwarded(client: SocketAddr, service_hostname: str | None = None) -> str:

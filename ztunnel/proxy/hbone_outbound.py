@@ -20,7 +20,13 @@ from ztunnel.core.errors import (
 )
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
-from ztunnel.hbone.headers import BAGGAGE, X_FORWARDED_NETWORK, parse_baggage, request_headers
+from ztunnel.hbone.headers import (
+    BAGGAGE,
+    X_FORWARDED_NETWORK,
+    header_value,
+    parse_baggage,
+    request_headers,
+)
 from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.manager import CertificateError, SecretManager
@@ -257,10 +263,8 @@ class HboneConnector:
         rec.dst_identity = _peer(inner)
         # Rust with_derived_destination: the destination workload is known from the inner
         # response's baggage only (the gateway's view of it is all state has).
-        for k, v in resp.headers:
-            if k == BAGGAGE:
-                rec.dst_derived = parse_baggage(v)
-                break
+        if (bag := header_value(resp.headers, BAGGAGE)) is not None:
+            rec.dst_derived = parse_baggage(bag)
         if rec.open_deferred is not None:
             rec.open_deferred()
             rec.open_deferred = None

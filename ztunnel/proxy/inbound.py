@@ -38,6 +38,7 @@ from ztunnel.hbone.headers import (
     X_FORWARDED_NETWORK,
     baggage,
     forwarded_host,
+    header_value,
     parse_baggage,
 )
 from ztunnel.hbone.transport import AlpnRefused, HboneConnection, HboneError, tls_handshake
@@ -386,7 +387,7 @@ class InboundHbone:
         # Rust build_inbound_request: a request that crossed a network gateway (the inner CONNECT
         # of double HBONE names another origin network) comes from an address that means
         # nothing here: the source is known only from its baggage.
-        origin = _header(ev.headers, X_FORWARDED_NETWORK)
+        origin = header_value(ev.headers, X_FORWARDED_NETWORK)
         from_gateway = origin is not None and origin.lower() != network.lower()
         src_workload: Workload | None = None
         if not from_gateway:
@@ -411,8 +412,8 @@ class InboundHbone:
         ctx.open_metrics(
             rec,
             mtls=True,
-            baggage=parse_baggage(_header(ev.headers, BAGGAGE)),
-            for_host=forwarded_host(_header(ev.headers, FORWARDED)),
+            baggage=parse_baggage(header_value(ev.headers, BAGGAGE)),
+            for_host=forwarded_host(header_value(ev.headers, FORWARDED)),
         )
         try:
             ctx.authorize(rec, local)
@@ -457,10 +458,3 @@ def _reject(
             "inbound HBONE request rejected",
             extra={"fields": {"src.addr": str(src), "status": status, "error": str(why)}},
         )
-
-
-def _header(headers: h2.Headers, name: str) -> str | None:
-    for k, v in headers:
-        if k == name:
-            return v
-    return None
