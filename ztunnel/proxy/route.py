@@ -215,11 +215,11 @@ def _resolve_gateway(
     (``find_upstream_from_service``). A reference by IP is dialled in that IP's family; one by
     hostname adapts to the original destination's."""
     found = state.find_gateway(gw, source.namespace if source is not None else None)
-    family = gw.address.address.version if gw.address is not None else dst.ip.version
+    # The IP whose family is wanted (Rust finalize_upstream): the reference's own, else the
+    # original destination's.
+    want = gw.address.address if gw.address is not None else dst.ip
     if isinstance(found, Workload):
-        if gw.address is not None and gw.address.address in found.addresses:
-            return found, None, SocketAddr(gw.address.address, gw.hbone_mtls_port)
-        ip = _ip_of_family(found, family)
+        ip = pick_workload_ip(found, want)
         if ip is not None:
             return found, None, SocketAddr(ip, gw.hbone_mtls_port)
     elif isinstance(found, Service):
@@ -227,19 +227,10 @@ def _resolve_gateway(
             found, gw.hbone_mtls_port, source, rng, for_waypoint=not_found is UnknownWaypoint
         )
         if picked is not None:
-            ip = _ip_of_family(picked[0], family)
+            ip = pick_workload_ip(picked[0], want)
             if ip is not None:
                 return picked[0], found, SocketAddr(ip, picked[1])
     raise not_found(_gw_name(gw))
-
-
-def _ip_of_family(wl: Workload, version: int) -> IPAddr | None:
-    """The workload's first IP of that family, else its first IP (Rust ``finalize_upstream``
-    prefers the requested family and falls back to what the workload has)."""
-    for ip in wl.addresses:
-        if ip.version == version:
-            return ip
-    return wl.addresses[0] if wl.addresses else None
 
 
 def _gw_name(gw: GatewayAddress) -> str:
