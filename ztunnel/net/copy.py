@@ -786,8 +786,12 @@ async def copy_bidirectional(
         loop, downstream, upstream, counters if counters is not None else CopyCounters()
     )
     try:
-        downstream.setblocking(False)
-        upstream.setblocking(False)
+        # (getblocking() reads the socket object only; setblocking() is an ioctl every time, and
+        # the proxy's sockets are non-blocking already)
+        if downstream.getblocking():
+            downstream.setblocking(False)
+        if upstream.getblocking():
+            upstream.setblocking(False)
         session.start(pipes)
     except BaseException:
         session.cancel()

@@ -43,6 +43,27 @@ async def test_connect_returns_a_connected_non_blocking_socket() -> None:
 
 
 @pytest.mark.both_loops
+async def test_a_handshake_done_inside_connect_skips_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Over loopback the SYN-ACK is processed within connect() itself: the second look sees the
+    # connection established, so no writer is registered (and no timer armed) for it.
+    loop = asyncio.get_running_loop()
+
+    def no_writer(*_a: object) -> None:
+        raise AssertionError("the loop was asked to wait for the connect")
+
+    monkeypatch.setattr(loop, "add_writer", no_writer)
+    monkeypatch.setattr(loop, "call_later", no_writer)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        sock = await SocketFactory(mark=None).connect(_addr(srv))
+        with sock:
+            conn, _ = srv.accept()
+            conn.close()
+            assert sock.getpeername() == srv.getsockname()
+
+
+@pytest.mark.both_loops
 async def test_connect_refused_reads_like_the_loops_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
