@@ -392,6 +392,13 @@ class _Direction:
     def _finish_eof(self) -> None:
         """Source hit EOF and everything read was written: half-close the destination."""
         self._remove_callbacks()
+        session = self._session
+        if session._open == 1 and self._dst_is_socket:
+            # The other direction has ended: the session closes both sockets now, and close()
+            # sends the same FIN as shutdown() (the other direction read this destination to
+            # its EOF, so nothing is left unread to turn it into a RST). HAProxy closes so too.
+            session.direction_done()
+            return
         try:
             self._shutdown_dst()
         except OSError as e:
@@ -401,6 +408,11 @@ class _Direction:
 
     def _shutdown_dst(self) -> None:
         _shutdown_write(self._dst)
+
+    @property
+    def _dst_is_socket(self) -> bool:
+        """The half-close is the destination socket's FIN (not a sink's own end of stream)."""
+        return True
 
     def stop(self) -> None:
         """Remove callbacks and release resources; never raises. Called on session end."""
@@ -659,6 +671,10 @@ class _BufferedDirection(_Direction):
     def _shutdown_dst(self) -> None:
         self._sink.shutdown_write()
 
+    @property
+    def _dst_is_socket(self) -> bool:
+        return type(self._sink) is _SocketSink
+
 
 class _Session:
     """Both directions of one proxied connection; resolves ``done`` exactly once."""
@@ -757,11 +773,16 @@ class _Session:
 
 
 def _close_socket(sock: socket.socket, abort: bool) -> None:
+    # (try/except rather than contextlib.suppress: no context manager object per socket)
     if abort:
-        with contextlib.suppress(OSError):
+        try:  # noqa: SIM105
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ABORT)
-    with contextlib.suppress(OSError):
+        except OSError:
+            pass
+    try:  # noqa: SIM105
         sock.close()
+    except OSError:
+        pass
 
 
 async def copy_bidirectional(

@@ -92,8 +92,10 @@ class Listener:
                 self._refuse(conn)
                 continue
             conn.setblocking(False)
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (no context manager object per connection)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
             self.accepted += 1
             self._spawn(conn, addr)
 

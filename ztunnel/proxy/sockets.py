@@ -23,6 +23,7 @@ from ztunnel.net.fdbudget import FdBudget
 log = logging.getLogger("ztunnel.proxy")
 
 CONNECT_TIMEOUT = 10.0
+_STREAM_NONBLOCK = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
 
 
 class SocketFactory:
@@ -63,11 +64,12 @@ class SocketFactory:
         """A marked non-blocking stream socket. Raises UpstreamConnectError when the process is
         out of fds or within its reserve (``FdBudget``), OSError for other failures."""
         try:
+            # Non-blocking from the start (SOCK_NONBLOCK: no FIONBIO ioctl afterwards).
             if self.netns_fd is None:  # (no generator-based context manager per connection)
-                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock = socket.socket(family, _STREAM_NONBLOCK)
             else:
                 with self._in_ns():
-                    sock = socket.socket(family, socket.SOCK_STREAM)
+                    sock = socket.socket(family, _STREAM_NONBLOCK)
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 self.budget.admit(1 << 62)  # (counts the refusal, starts the pressure window)
@@ -77,7 +79,6 @@ class SocketFactory:
             sock.close()
             raise UpstreamConnectError("file descriptor budget exhausted")
         try:
-            sock.setblocking(False)
             setsockopt = sock.setsockopt
             for level, name, value in self._sockopts:
                 setsockopt(level, name, value)
