@@ -745,8 +745,9 @@ class Metrics:
             registry=registry,
         )
         self._socket_cells = {r: self.sockets_open.labels(r.value) for r in Reporter}
-        # open_for_record without baggage, memoised by the identity of what the labels derive
-        # from (those objects are kept in the value, so their ids cannot be reused meanwhile):
+        # open_for_record, memoised by the identity of what the labels derive from (those
+        # objects are kept in the value, so their ids cannot be reused meanwhile) and the
+        # baggage fields that count (see there):
         # the label tuple and its cells, instead of ~30 label values and three series lookups
         # per connection. Bounded; a state update brings new objects, hence new keys.
         self._series_memo: dict[tuple[object, ...], tuple[_Series, tuple[object, ...]]] = {}
@@ -831,13 +832,27 @@ class Metrics:
 
         ``rec.src_identity`` becomes ``source_principal`` only when ``mtls`` (Rust: outbound
         reports its own identity only for HBONE; inbound the verified peer)."""
-        if baggage is None and rec.dst_derived is None:
+        if rec.dst_derived is None:
             src_id = rec.src_identity if mtls else None
             refs = (rec.src_workload, src_id, rec.dst_workload, rec.dst_service, rec.dst_identity)
-            key = (rec.direction, mtls, *map(id, refs))
+            key: tuple[object, ...] = (rec.direction, mtls, *map(id, refs))
+            if baggage is not None and rec.src_workload is None:
+                # Inbound from a peer with no known workload: the source labels come from its
+                # baggage, so the key holds what traffic_labels reads of it (a known source
+                # workload replaces all of that, so then the baggage is no part of the key).
+                key = (
+                    *key,
+                    baggage.cluster_id,
+                    baggage.namespace,
+                    baggage.workload_name,
+                    baggage.service_name,
+                    baggage.service_version,
+                    baggage.region,
+                    baggage.zone,
+                )
             hit = self._series_memo.get(key)
             if hit is None:
-                series = _Series(self, self._labels_for(rec, mtls, None))
+                series = _Series(self, self._labels_for(rec, mtls, baggage))
                 if len(self._series_memo) >= _SERIES_MEMO_MAX:
                     self._series_memo.clear()
                 self._series_memo[key] = (series, refs)

@@ -302,6 +302,53 @@ def test_open_for_record_gates_source_principal_on_mtls(reg: CollectorRegistry) 
     assert hbone.labels[0] == "source"
 
 
+def test_open_for_record_with_baggage_is_memoised_by_what_the_labels_read(
+    reg: CollectorRegistry,
+) -> None:
+    # Inbound from an unknown source: the source labels come from the peer's baggage (Rust
+    # CommonTrafficLabels from baggage). Equal baggage shares one series; any field that
+    # reaches a label makes another; a known source workload makes the baggage irrelevant.
+    peer = Identity("cluster.local", "ns-a", "client")
+
+    class Rec:
+        direction = "inbound"
+        src_workload: Workload | None = None
+        dst_workload = SERVER
+        dst_service = SVC
+        src_identity = peer
+        dst_identity = SERVER.identity
+        dst_derived = None
+
+    m = Metrics(reg, process=False)
+    bag = (
+        "k8s.namespace.name=ns-a,k8s.deployment.name=client,service.name=client,service.version=v1"
+    )
+    first = m.open_for_record(Rec(), mtls=True, baggage=parse_baggage(bag))
+    again = m.open_for_record(Rec(), mtls=True, baggage=parse_baggage(bag))
+    want = traffic_labels(
+        Reporter.DESTINATION,
+        source_identity=peer,
+        baggage=parse_baggage(bag),
+        destination=SERVER,
+        destination_service=SVC,
+        destination_identity=SERVER.identity,
+        security_policy=SecurityPolicy.MUTUAL_TLS,
+    )
+    assert first.labels == again.labels == want
+    assert first._series is again._series
+    opened = reg.get_sample_value("istio_tcp_connections_opened_total", as_dict(want))
+    assert opened == 2
+    other = m.open_for_record(
+        Rec(), mtls=True, baggage=parse_baggage(bag.replace("v1", "v2"))
+    ).labels
+    assert as_dict(other)["source_canonical_revision"] == "v2"
+    assert m.open_for_record(Rec(), mtls=True).labels != want  # no baggage: "unknown" source
+    Rec.src_workload = CLIENT
+    known = m.open_for_record(Rec(), mtls=True, baggage=parse_baggage(bag)).labels
+    assert known == m.open_for_record(Rec(), mtls=True, baggage=parse_baggage("")).labels
+    assert as_dict(known)["source_workload"] == CLIENT.workload_name
+
+
 def test_sockets_build_inpod_process(reg: CollectorRegistry) -> None:
     m = Metrics(reg, tag="1.2.3", inpod=True)
     m.socket_opened(Reporter.SOURCE)

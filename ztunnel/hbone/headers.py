@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Sequence
@@ -25,11 +26,29 @@ _TYPE_KEYS = {
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 
+# baggage() per workload object (frozen; a state update brings a new one): id -> (the workload,
+# the cluster id, the value). Every HBONE request sends its source's baggage, and every response
+# the local workload's. Bounded: cleared when full.
+_BAGGAGE_MEMO: dict[int, tuple[Workload, str, str]] = {}
+_BAGGAGE_MEMO_MAX = 1024
+
+
 def baggage(wl: Workload | None, cluster_id: str = "") -> str:
     """``k8s.cluster.name=..,k8s.namespace.name=..,k8s.<type>.name=..,service.name=..,..``;
     only non-empty fields are sent."""
     if wl is None:
         return ""
+    hit = _BAGGAGE_MEMO.get(id(wl))
+    if hit is not None and hit[0] is wl and hit[1] == cluster_id:
+        return hit[2]
+    value = _baggage(wl, cluster_id)
+    if len(_BAGGAGE_MEMO) >= _BAGGAGE_MEMO_MAX:
+        _BAGGAGE_MEMO.clear()
+    _BAGGAGE_MEMO[id(wl)] = (wl, cluster_id, value)
+    return value
+
+
+def _baggage(wl: Workload, cluster_id: str) -> str:
     pairs = [
         ("k8s.cluster.name", wl.cluster_id or cluster_id),
         ("k8s.namespace.name", wl.namespace),
@@ -54,8 +73,11 @@ class Baggage:
     zone: str = ""
 
 
+@functools.lru_cache(maxsize=256)
 def parse_baggage(value: str | None) -> Baggage:
-    """Lenient: unknown keys and malformed members are ignored (baggage is only a hint)."""
+    """Lenient: unknown keys and malformed members are ignored (baggage is only a hint).
+
+    Memoised (the result is frozen): a peer sends the same baggage on every stream."""
     if not value:
         return Baggage()
     fields: dict[str, str] = {}

@@ -1,3 +1,5 @@
+import dataclasses
+
 from ztunnel.core.addr import SocketAddr
 from ztunnel.hbone.headers import (
     Baggage,
@@ -34,6 +36,17 @@ def test_baggage_only_non_empty_fields_in_order() -> None:
         "k8s.namespace.name=ns,k8s.cronjob.name=c"
     )
     assert baggage(None) == ""
+
+
+def test_baggage_is_computed_once_per_workload_object() -> None:
+    # Memoised per workload object and cluster id: an updated workload (a new frozen object,
+    # as a state update brings) gets its own value, and so does another cluster id.
+    w = wl(workload_name="a", workload_type=WorkloadType.POD, cluster_id="")
+    assert baggage(w) == baggage(w) == "k8s.namespace.name=ns,k8s.pod.name=a"
+    assert baggage(w, "c1") == "k8s.cluster.name=c1,k8s.namespace.name=ns,k8s.pod.name=a"
+    updated = dataclasses.replace(w, namespace="other")
+    assert baggage(updated) == "k8s.namespace.name=other,k8s.pod.name=a"
+    assert baggage(w) == "k8s.namespace.name=ns,k8s.pod.name=a"
 
 
 def test_baggage_roundtrip_and_lenient_parse() -> None:
