@@ -467,24 +467,47 @@ def _hpack_int(out: bytearray, value: int, prefix_bits: int, first: int) -> None
     out.append(value)
 
 
+# The start of a literal field without indexing for each name sent so far (its static index, or
+# the name itself), so that a field costs a dict lookup and two appends. Only our own outgoing
+# names get here (a handful); bounded all the same.
+_NAME_PREFIX: dict[bytes, bytes] = {}
+_NAME_PREFIX_MAX = 256
+
+
+def _name_prefix(name: bytes) -> bytes:
+    out = bytearray()
+    idx = _STATIC_NAME.get(name)
+    if idx is None:
+        out.append(0)  # literal without indexing, new name
+        _hpack_int(out, len(name), 7, 0)
+        out += name
+    else:
+        _hpack_int(out, idx, 4, 0)  # literal without indexing, indexed name
+    prefix = bytes(out)
+    if len(_NAME_PREFIX) < _NAME_PREFIX_MAX:
+        _NAME_PREFIX[name] = prefix
+    return prefix
+
+
 def _encode_block(fields: list[tuple[bytes, bytes]], size_updates: list[int]) -> bytes:
     """A header block of literals without indexing (see above), after any table size updates."""
     out = bytearray()
     for size in size_updates:
         _hpack_int(out, size, 5, 0x20)
+    prefixes = _NAME_PREFIX
     for name, value in fields:
-        idx = _STATIC_FIELD.get((name, value))
-        if idx is not None:
-            out.append(0x80 | idx)  # indexed field (static table)
-            continue
-        idx = _STATIC_NAME.get(name)
-        if idx is None:
-            out.append(0)  # literal without indexing, new name
-            _hpack_int(out, len(name), 7, 0)
-            out += name
+        if name in _STATIC_NAME:  # (a name with no static entry cannot match a whole field)
+            idx = _STATIC_FIELD.get((name, value))
+            if idx is not None:
+                out.append(0x80 | idx)  # indexed field (static table)
+                continue
+        prefix = prefixes.get(name)
+        out += prefix if prefix is not None else _name_prefix(name)
+        n = len(value)
+        if n < 127:
+            out.append(n)  # (the 7-bit prefix holds it: _hpack_int's first case)
         else:
-            _hpack_int(out, idx, 4, 0)  # literal without indexing, indexed name
-        _hpack_int(out, len(value), 7, 0)
+            _hpack_int(out, n, 7, 0)
         out += value
     return bytes(out)
 
