@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 _LEVELS = {
@@ -125,9 +126,18 @@ def _timestamp(record: logging.LogRecord) -> str:
     return f"{cached[1]}.{micros:06d}Z"
 
 
+_LEVEL_TEXT: dict[int, str] = {}
+
+
 def _rust_level(record: logging.LogRecord) -> str:
     """The level as tracing spells it: ``warn``, not ``warning``."""
-    return level_name(record.levelno) if record.levelno < logging.CRITICAL else "error"
+    text = _LEVEL_TEXT.get(record.levelno)
+    if text is None:
+        n = record.levelno
+        text = level_name(n) if n < logging.CRITICAL else "error"
+        if len(_LEVEL_TEXT) < 64:
+            _LEVEL_TEXT[n] = text
+    return text
 
 
 def _fmt_value(v: object) -> str:
@@ -152,13 +162,29 @@ class PlainFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        scope = "access" if record.name == "access" else record.name.replace(".", "::")
+        fields = getattr(record, "fields", None)
+        if (
+            type(fields) is dict
+            and fields
+            and not record.exc_info
+            and _RESERVED.isdisjoint(fields)
+            and _ATOMS.issuperset(map(type, fields.values()))
+        ):
+            # The common case (every access-log line): the fixed members as text, then the
+            # fields encoded on their own, spliced in (the same text as encoding the merged
+            # dict: same members, same order, same separators).
+            head = (
+                f'{{"level": "{_rust_level(record)}", "time": "{_timestamp(record)}", '
+                f'"scope": {_str(scope)}, "message": {_str(record.getMessage())}, '
+            )
+            return head + "".join(_encode_flat(fields, 0))[1:]
         out: dict[str, Any] = {
             "level": _rust_level(record),
             "time": _timestamp(record),
-            "scope": "access" if record.name == "access" else record.name.replace(".", "::"),
+            "scope": scope,
             "message": record.getMessage(),
         }
-        fields = getattr(record, "fields", None)
         if fields:
             out.update(fields)
         if record.exc_info:
@@ -169,6 +195,18 @@ class JsonFormatter(logging.Formatter):
 # json.dumps(out, default=str) with the encoder built once (dumps builds one per call when
 # given any option).
 _JSON = json.JSONEncoder(default=str)
+_str = json.encoder.encode_basestring_ascii  # (what _JSON uses for strings: ensure_ascii)
+# Fields whose values are all strings and numbers (an access-log line) go through the C
+# encoder made once (JSONEncoder.encode makes a new one per call): no containers, so no
+# circular-reference markers are needed; anything else takes the _JSON path.
+_RESERVED = frozenset(("level", "time", "scope", "message", "exception"))
+_ATOMS = frozenset((str, int, float, bool, type(None)))
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+_encode_flat: Callable[[dict[str, Any], int], Iterable[str]] = (
+    _c_make_encoder(None, str, _str, None, ": ", ", ", False, False, True)
+    if _c_make_encoder is not None
+    else lambda o, _level: _JSON.iterencode(o)
+)
 
 
 PIPE_BUF = 4096  # POSIX: writes up to this size to a pipe are atomic (Linux: 4096 bytes)

@@ -44,6 +44,32 @@ def test_timestamps_have_microseconds() -> None:
     ), line
 
 
+def test_json_lines_are_the_merged_dict_encoded() -> None:
+    # Flat fields (an access-log line) take a shortcut that must write exactly what encoding
+    # the merged dict writes; other values (containers, objects) take the general path.
+    class Obj:
+        def __str__(self) -> str:
+            return "obj"
+
+    for fields in (
+        {"src.addr": "10.0.0.1:1", "bytes_sent": 7, "ratio": 0.5, "ok": True, "none": None},
+        {"error": 'quote " and ünïcode\n', "duration": "3ms"},
+        {"nested": {"a": [1, 2]}, "x": 1},
+        {"who": Obj()},
+        {"message": "a field that shadows the message"},
+    ):
+        rec = _record(logging.INFO)
+        rec.fields = fields
+        merged = {
+            "level": "info",
+            "time": "2023-11-14T22:13:20.062500Z",
+            "scope": "access",
+            "message": "connection failed",
+            **fields,
+        }
+        assert JsonFormatter().format(rec) == json.dumps(merged, default=str)
+
+
 def test_log_fields_renders_as_logger_extra_fields() -> None:
     import io
 
