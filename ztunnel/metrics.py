@@ -115,6 +115,7 @@ TRAFFIC_LABEL_NAMES: tuple[str, ...] = (
     "destination_zone",
 )
 _FLAG_INDEX = TRAFFIC_LABEL_NAMES.index("response_flags")
+_NO_FLAG: str = ResponseFlag.NONE.value  # (an enum's .value is a descriptor call each time)
 
 
 class BaggageLike(Protocol):
@@ -986,7 +987,7 @@ class ConnectionMetrics:
             self._sent if bytes_sent is None else bytes_sent,
             self._recv if bytes_recv is None else bytes_recv,
         )
-        if flag is ResponseFlag.NONE and self.labels[_FLAG_INDEX] == flag.value:
+        if flag is ResponseFlag.NONE and self.labels[_FLAG_INDEX] == _NO_FLAG:
             series = self._series
             closed = series.closed
             if closed is None:

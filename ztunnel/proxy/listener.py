@@ -35,6 +35,10 @@ _EMFILE_BACKOFF = 0.1
 _LINGER_RST = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close sends RST
 
 
+def _not_started() -> tuple[int, Any]:
+    raise RuntimeError("the listener is not started")
+
+
 class Listener:
     """Accepts connections on ``sock`` and runs ``handler(conn)`` for each in a task it owns."""
 
@@ -57,6 +61,8 @@ class Listener:
         self.pass_peer = False
         self.on_refused: Callable[[], None] | None = None  # a connection refused (fd budget)
         self.on_socket: Callable[[bool], None] | None = None  # accepted (True) / closed (False)
+        self._accept: Callable[[], tuple[int, Any]] = _not_started  # sock._accept once started
+        self._sock_args = (0, 0, 0)  # the accepted sockets' family, type and protocol
 
     @property
     def address(self) -> tuple[str, int]:
@@ -68,15 +74,22 @@ class Listener:
         return len(self._tasks)
 
     def start(self) -> None:
+        # socket.accept() builds the accepted socket from the listener's family and type
+        # properties, each an enum conversion per call: taken once here instead.
+        sock = self.sock
+        self._accept = sock._accept  # type: ignore[attr-defined]
+        self._sock_args = (int(sock.family), int(sock.type), sock.proto)
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()
         self._accepting = True
         self._loop.add_reader(self.sock.fileno(), self._on_readable)
 
     def _on_readable(self) -> None:
+        accept = self._accept
+        family, type_, proto = self._sock_args
         for _ in range(_ACCEPT_BATCH):
             try:
-                conn, addr = self.sock.accept()
+                fd, addr = accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -88,6 +101,7 @@ class Listener:
                     continue
                 log.error("%s: accept failed: %s", self.name, e)
                 return
+            conn = socket.socket(family, type_, proto, fd)
             if self.budget is not None and not self.budget.admit(conn.fileno()):
                 self._refuse(conn)
                 continue
