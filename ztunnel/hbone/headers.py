@@ -133,7 +133,8 @@ def forwarded_host(value: str | None) -> str | None:
 
 def new_traceparent() -> str:
     """A random W3C traceparent, ``00-<32 hex>-<16 hex>-00`` (55 characters)."""
-    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-00"
+    h = os.urandom(24).hex()  # (one getrandom() for both ids)
+    return f"00-{h[:32]}-{h[32:]}-00"
 
 
 def valid_traceparent(value: str | None) -> bool:
