@@ -43,6 +43,12 @@ class ConnectionPool:
         self.idle_timeout = idle_timeout
         self._conns: dict[WorkloadKey, list[HboneConnection]] = {}
         self._locks: dict[WorkloadKey, asyncio.Lock] = {}
+        # The idle clock: when each connection last went idle (none while it has streams), and
+        # at most one armed timer per connection. A timer that finds its connection busy again
+        # just lapses, and one that fires early (the connection was used meanwhile) re-arms for
+        # the rest, so a stream ending on an idle-prone connection arms no timer of its own
+        # (one call_later and one cancel per stream otherwise).
+        self._idle_since: dict[HboneConnection, float] = {}
         self._idle: dict[HboneConnection, asyncio.TimerHandle] = {}
         self.dials = 0
 
@@ -58,7 +64,7 @@ class ConnectionPool:
         for conn in self._conns.get(key, ()):
             if self._usable(conn):
                 conn.reserve()
-                self._cancel_idle(conn)
+                self._idle_since.pop(conn, None)  # busy (an armed timer lapses)
                 return conn
         return None
 
@@ -92,17 +98,27 @@ class ConnectionPool:
             if conn.goaway:
                 conn.close()
                 return
-            self._cancel_idle(conn)
             loop = asyncio.get_running_loop()
-            self._idle[conn] = loop.call_later(self.idle_timeout, self._expire, conn)
+            self._idle_since[conn] = loop.time()
+            if conn not in self._idle:
+                self._idle[conn] = loop.call_later(self.idle_timeout, self._expire, conn)
 
     def _expire(self, conn: HboneConnection) -> None:
         self._idle.pop(conn, None)
-        if conn.active_streams == 0:
-            log.debug("closing idle HBONE connection")
-            conn.close()
+        since = self._idle_since.get(conn)
+        if since is None or conn.active_streams:
+            return  # in use: the end of its last stream arms the clock again
+        loop = asyncio.get_running_loop()
+        left = since + self.idle_timeout - loop.time()
+        if left > 0:  # used and idle again since this timer was armed
+            self._idle[conn] = loop.call_later(left, self._expire, conn)
+            return
+        del self._idle_since[conn]
+        log.debug("closing idle HBONE connection")
+        conn.close()
 
     def _cancel_idle(self, conn: HboneConnection) -> None:
+        self._idle_since.pop(conn, None)
         timer = self._idle.pop(conn, None)
         if timer is not None:
             timer.cancel()
@@ -129,3 +145,4 @@ class ConnectionPool:
         for timer in self._idle.values():
             timer.cancel()
         self._idle.clear()
+        self._idle_since.clear()
