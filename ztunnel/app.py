@@ -333,7 +333,7 @@ class App:
             if crl.generation == seen:
                 continue
             seen = crl.generation
-            closed = sum(inst.inbound.close_revoked(crl) for inst in self._instances())
+            closed = sum(inst.close_revoked(crl) for inst in self._instances())
             if closed:
                 log.warning("CRL reload: closed %d connection(s) with a revoked peer", closed)
 

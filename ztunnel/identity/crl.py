@@ -15,8 +15,9 @@ Follows istio/ztunnel ``src/tls/crl.rs`` and ``src/tls/revocation.rs``:
   parse keeps the previous CRLs.
 
 Rejections are counted in ``istio_crl_policy_rejections_total{reporter}`` and logged (at most
-one line a second). Rust also re-checks live connections after a reload and closes revoked
-ones; this port checks at handshake only (README "Compatibility").
+one line a second). After a reload, live connections are re-checked with
+:meth:`CrlManager.revoked_chain` on the chain their handshake verified, inbound and outbound,
+and the revoked ones closed (Rust ``RevocationIndex::navigate``).
 """
 
 from __future__ import annotations
@@ -192,21 +193,32 @@ class CrlManager:
                 return True
         return False
 
-    def revoked_peer(self, peer_der: bytes, issuers: Sequence[x509.Certificate]) -> bool:
-        """Whether a live connection's peer leaf is revoked now: the leaf (DER) checked against
-        a CRL signed by the first of ``issuers`` (our own intermediates and roots, which a mesh
-        peer's chain shares) whose subject is the leaf's issuer. Used to re-check established
-        connections after a reload (Rust closes the revoked ones); an unknown issuer means
-        unknown status, allowed, as :meth:`is_revoked` does."""
+    def revoked_chain(self, peer_der: bytes, chain: Sequence[x509.Certificate]) -> bool:
+        """Whether a live connection's verified chain holds a certificate revoked now: the
+        leaf (DER) and each certificate above it but the trust anchor, each checked against a
+        CRL signed by its issuer (Rust ``chain_is_revoked``, re-run on established connections
+        after a reload). ``chain`` is the chain above the leaf as verified (``osslverify``),
+        issuer first; the issuer of each certificate is looked up by name in it, so a set of
+        CA certificates (ours, which a mesh peer's chain shares) also serves when no chain was
+        recorded. A certificate whose issuer is not there ends the walk: unknown status,
+        allowed, as :meth:`is_revoked` does; a self-issued one is the anchor."""
         if not self._crls or not peer_der:
             return False
         try:
-            leaf = x509.load_der_x509_certificate(peer_der)
+            cert = x509.load_der_x509_certificate(peer_der)
         except ValueError:
             return False
-        issuer_name = leaf.issuer
-        issuer = next((c for c in issuers if c.subject == issuer_name), None)
-        return self.is_revoked(leaf, issuer)
+        for _ in range(len(chain)):
+            name = cert.issuer
+            issuer = next((c for c in chain if c.subject == name and c is not cert), None)
+            if issuer is None:
+                return False
+            if self.is_revoked(cert, issuer):
+                return True
+            if issuer.issuer == issuer.subject:
+                return False
+            cert = issuer
+        return False
 
     def rejected(self, reporter: str, peer: str) -> None:
         """Count and (rate-limited) log a connection refused for a revoked certificate."""
