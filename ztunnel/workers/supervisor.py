@@ -105,13 +105,14 @@ class RemoteInstance(ProxyInstance):
         self.pool.add(self)
 
     async def drain(self, deadline: float) -> int:
-        try:
-            return await self.pool.remove(self, deadline)
-        finally:
-            for comp in self.companions:
-                comp.abort()
-            for sock in self.sockets.bound.values():
-                sock.close()
+        # Our copies go first: the kernel queues stay only while some worker still listens
+        # (each closes its own as its drain starts), so no connection waits in a queue that
+        # nobody accepts from (another ztunnel bound beside us gets it instead).
+        for comp in self.companions:
+            comp.abort()
+        for sock in self.sockets.bound.values():
+            sock.close()
+        return await self.pool.remove(self, deadline)
 
     def recheck_policies(self) -> int:
         return 0  # (each worker re-checks its own connections)

@@ -305,8 +305,8 @@ class Worker:
                 "connections": sum(p.active_connections for p, _ in self.proxies.values()),
                 "gc_collected": sum(g["collected"] for g in gc.get_stats()),
             }
-            if dp is not None and dp.trimmer is not None:
-                stats["malloc_trims"] = dp.trimmer.trims
+            if dp is not None:
+                stats.update(dp.runtime_stats())
             return stats
         return None
 
