@@ -725,7 +725,8 @@ def test_every_accepted_connection_gets_an_access_log_line(bed: Bed) -> None:
     ours: set[str] = set()  # (a straggler of an earlier test, from another worker, is not ours)
     for i in range(n):
         s = connect_from(bed.m.ext, bed.m.b.ip4, 15008)
-        ours.add("%s:%d" % s.getsockname()[:2])
+        ip, port = s.getsockname()[:2]
+        ours.add(f"{ip}:{port}")
         if i % 3 == 0:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
         elif i % 3 == 1:

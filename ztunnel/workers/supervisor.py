@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ log = logging.getLogger("ztunnel.workers")
 START_TIMEOUT = 30.0
 QUERY_TIMEOUT = 5.0
 RESTART_DELAY = 1.0
+MAX_BACKLOG = 256 * 1024 * 1024  # bytes queued to one worker (state snapshots of huge meshes)
 
 
 class WorkerStartError(Exception):
@@ -86,6 +88,16 @@ class _Worker:
         try:
             self.channel.send(msg, list(fds))
         except ChannelClosed:
+            return False
+        if self.channel.pending_bytes > MAX_BACKLOG and self.pid:
+            # A worker that stopped reading (stuck) would make us queue without bound: it is
+            # killed, and restarted like one that died.
+            log.error(
+                "worker %d (pid %d) is not reading its channel; killing it", self.index, self.pid
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.channel.close()
             return False
         return True
 
