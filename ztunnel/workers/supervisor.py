@@ -39,7 +39,7 @@ from ztunnel.metrics import RegistryValues, merged_registry
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.store import ChangeKind, State, StateChange
 from ztunnel.workers import messages as m
-from ztunnel.workers.ipc import Channel, ChannelClosed
+from ztunnel.workers.ipc import Channel, ChannelClosed, encode
 from ztunnel.workers.zygote import Zygote
 
 log = logging.getLogger("ztunnel.workers")
@@ -82,11 +82,11 @@ class _Worker:
     requests: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     certs: set[Identity] = field(default_factory=set)
 
-    def send(self, msg: Any, fds: Iterable[int] = ()) -> bool:
+    def send(self, msg: Any, fds: Iterable[int] = (), *, encoded: bytes | None = None) -> bool:
         if self.channel is None or self.channel.closed:
             return False
         try:
-            self.channel.send(msg, list(fds))
+            self.channel.send_encoded(encode(msg) if encoded is None else encoded, list(fds))
         except ChannelClosed:
             return False
         if self.channel.pending_bytes > MAX_BACKLOG and self.pid:
@@ -323,8 +323,9 @@ class WorkerPool:
         ops = [self._op(kind, key) for kind, key in self._pending]
         self._pending.clear()
         msg = m.StateOps(ops)
+        payload = encode(msg)  # (once for every worker)
         for w in self.workers.values():
-            w.send(msg)
+            w.send(msg, encoded=payload)
 
     def _snapshot(self) -> list[m.StateOp]:
         s = self.state
