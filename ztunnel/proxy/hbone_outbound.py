@@ -32,7 +32,7 @@ from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.certs import WorkloadCertificate
 from ztunnel.identity.crl import CrlManager
-from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.manager import CertificateError, CertificateSource
 from ztunnel.identity.osslverify import VerifiedChain
 from ztunnel.identity.tls import (
     TlsIdentityError,
@@ -68,7 +68,7 @@ class HboneSettings:
 
 async def dial_hbone(
     sockets: SocketFactory,
-    secrets: SecretManager,
+    secrets: CertificateSource,
     settings: HboneSettings,
     key: WorkloadKey,
 ) -> HboneConnection:
@@ -138,7 +138,7 @@ class HboneConnector:
         self,
         config: Config,
         sockets: SocketFactory,
-        secrets: SecretManager,
+        secrets: CertificateSource,
         pool: ConnectionPool | None = None,
     ) -> None:
         self.config = config

@@ -41,7 +41,7 @@ from ztunnel.hbone.headers import (
 )
 from ztunnel.hbone.transport import AlpnRefused, HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.crl import CrlManager
-from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.manager import CertificateError, CertificateSource
 from ztunnel.identity.tls import (
     TlsIdentityError,
     crl_of,
@@ -117,7 +117,7 @@ class _FairStarter:
 
 
 class InboundHbone:
-    def __init__(self, ctx: ProxyContext, secrets: SecretManager) -> None:
+    def __init__(self, ctx: ProxyContext, secrets: CertificateSource) -> None:
         self.ctx = ctx
         self.secrets = secrets
         self.settings = HboneSettings.from_config(ctx.config)
