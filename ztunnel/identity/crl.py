@@ -169,6 +169,9 @@ class CrlManager:
         ``issuer`` None (not known): a CRL whose issuer name matches still counts only if it
         was verified against that issuer before; otherwise unknown status, allowed."""
         self.maybe_reload()
+        return self._listed(cert, issuer)
+
+    def _listed(self, cert: x509.Certificate, issuer: x509.Certificate | None) -> bool:
         crls = self._crls
         if not crls:
             return False
@@ -197,7 +200,9 @@ class CrlManager:
         issuer first; the issuer of each certificate is looked up by name in it, so a set of
         CA certificates (ours, which a mesh peer's chain shares) also serves when no chain was
         recorded. A certificate whose issuer is not there ends the walk: unknown status,
-        allowed, as :meth:`is_revoked` does; a self-issued one is the anchor."""
+        allowed, as :meth:`is_revoked` does; a self-issued one is the anchor. Checked against
+        the CRLs loaded now (the caller has just reloaded them): no stat of the file per
+        connection."""
         if not self._crls or not peer_der:
             return False
         try:
@@ -209,7 +214,7 @@ class CrlManager:
             issuer = next((c for c in chain if c.subject == name and c is not cert), None)
             if issuer is None:
                 return False
-            if self.is_revoked(cert, issuer):
+            if self._listed(cert, issuer):
                 return True
             if issuer.issuer == issuer.subject:
                 return False
