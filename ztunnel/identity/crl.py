@@ -113,6 +113,7 @@ class CrlManager:
         self._clock = clock
         self._lock = threading.Lock()
         self._crls: list[_Crl] = []
+        self._serials: frozenset[int] = frozenset()  # every serial any CRL lists
         self._stamp: tuple[int, int, int] | None = None  # (mtime_ns, size, inode) loaded
         self._verified: dict[tuple[int, bytes], bool] = {}  # (id(crl), issuer DER) -> ok
         self._last_log = 0.0
@@ -133,8 +134,10 @@ class CrlManager:
             _Crl(c, c.issuer.public_bytes(), frozenset(r.serial_number for r in c))
             for c in parse_crls(data)
         ]
+        serials = frozenset().union(*(c.revoked for c in crls))
         with self._lock:
             self._crls = crls
+            self._serials = serials
             self._verified = {}
             self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             self.generation += 1
@@ -209,6 +212,11 @@ class CrlManager:
             cert = x509.load_der_x509_certificate(peer_der)
         except ValueError:
             return False
+        serials = self._serials
+        if cert.serial_number not in serials and not any(
+            c.serial_number in serials for c in chain
+        ):
+            return False  # (most connections: no CRL lists any serial of the chain)
         for _ in range(len(chain)):
             name = cert.issuer
             issuer = next((c for c in chain if c.subject == name and c is not cert), None)
