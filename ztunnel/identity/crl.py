@@ -213,9 +213,7 @@ class CrlManager:
         except ValueError:
             return False
         serials = self._serials
-        if cert.serial_number not in serials and not any(
-            c.serial_number in serials for c in chain
-        ):
+        if cert.serial_number not in serials and not any(c.serial_number in serials for c in chain):
             return False  # (most connections: no CRL lists any serial of the chain)
         for _ in range(len(chain)):
             name = cert.issuer
