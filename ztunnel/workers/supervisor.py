@@ -164,6 +164,7 @@ class WorkerPool:
         self._flush_scheduled = False
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._metrics_memo: dict[str, dict[tuple[str, ...], Any]] = {}
         state.subscribe(self._on_state_change)
         secrets.on_certificate = self._on_certificate
         secrets.on_forget = self._on_forget
@@ -400,7 +401,7 @@ class WorkerPool:
     async def scrape_registry(self) -> CollectorRegistry:
         """The supervisor's registry with every worker's series added (one scrape)."""
         values: list[RegistryValues] = await self.query("metrics")
-        return merged_registry(self.registry, values)
+        return merged_registry(self.registry, values, self._metrics_memo)
 
     async def refresh_live(self) -> None:
         """Every pod's live connections, as the workers report them now."""
