@@ -34,7 +34,7 @@ from ztunnel.config import Config
 from ztunnel.core.identity import Identity
 from ztunnel.dataplane import DataPlane
 from ztunnel.identity.certs import WorkloadCertificate
-from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.manager import SecretManager
 from ztunnel.metrics import RegistryValues, merged_registry
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.store import ChangeKind, State, StateChange
@@ -272,8 +272,8 @@ class WorkerPool:
     async def _serve_cert(self, w: _Worker, identity: Identity) -> None:
         try:
             cert = await self.secrets.fetch_certificate(identity)
-        except CertificateError as e:
-            w.send(m.Cert(identity, None, str(e)))
+        except Exception as e:  # (CertificateError, or anything: the worker must get an answer)
+            w.send(m.Cert(identity, None, str(e) or type(e).__name__))
         else:
             w.send(m.Cert(identity, cert_bundle(cert)))
 
