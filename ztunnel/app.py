@@ -183,7 +183,12 @@ class App:
         for server in self.servers:
             await server.start()
         if self.workers is not None:
-            await self.workers.start()
+            from ztunnel.workers.supervisor import WorkerStartError
+
+            try:
+                await self.workers.start()
+            except WorkerStartError as e:
+                raise StartupError(str(e)) from None
         dp.start(proxies=self.workers is None)  # (workers keep their own proxies in order)
         if cfg.proxy_mode is ProxyMode.DEDICATED:
             assert cfg.proxy_workload_info is not None

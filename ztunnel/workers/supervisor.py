@@ -34,7 +34,7 @@ from ztunnel.config import Config
 from ztunnel.core.identity import Identity
 from ztunnel.dataplane import DataPlane
 from ztunnel.identity.certs import WorkloadCertificate
-from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.manager import SecretManager
 from ztunnel.metrics import RegistryValues, merged_registry
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.store import ChangeKind, State, StateChange
@@ -164,6 +164,7 @@ class WorkerPool:
         self._flush_scheduled = False
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._metrics_memo: dict[str, dict[tuple[str, ...], Any]] = {}
         state.subscribe(self._on_state_change)
         secrets.on_certificate = self._on_certificate
         secrets.on_forget = self._on_forget
@@ -271,8 +272,8 @@ class WorkerPool:
     async def _serve_cert(self, w: _Worker, identity: Identity) -> None:
         try:
             cert = await self.secrets.fetch_certificate(identity)
-        except CertificateError as e:
-            w.send(m.Cert(identity, None, str(e)))
+        except Exception as e:  # (CertificateError, or anything: the worker must get an answer)
+            w.send(m.Cert(identity, None, str(e) or type(e).__name__))
         else:
             w.send(m.Cert(identity, cert_bundle(cert)))
 
@@ -400,7 +401,7 @@ class WorkerPool:
     async def scrape_registry(self) -> CollectorRegistry:
         """The supervisor's registry with every worker's series added (one scrape)."""
         values: list[RegistryValues] = await self.query("metrics")
-        return merged_registry(self.registry, values)
+        return merged_registry(self.registry, values, self._metrics_memo)
 
     async def refresh_live(self) -> None:
         """Every pod's live connections, as the workers report them now."""

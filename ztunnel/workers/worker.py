@@ -184,8 +184,6 @@ class Worker:
         elif isinstance(msg, m.SetLogLevel):
             if self._log is not None:
                 self._log.change(msg.spec, reset=True)
-        elif isinstance(msg, m.Drain):
-            self._spawn(self._drain(msg))
         elif isinstance(msg, m.Hello):
             self._hello(msg)
         else:
@@ -261,10 +259,6 @@ class Worker:
             finally:
                 if netns is not None:
                     os.close(netns)
-        self._send(m.Reply(msg.request, cut))
-
-    async def _drain(self, msg: m.Drain) -> None:
-        cut = await self._stop(msg.deadline)
         self._send(m.Reply(msg.request, cut))
 
     async def _stop(self, deadline: float) -> int:
