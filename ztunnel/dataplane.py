@@ -177,9 +177,9 @@ class DataPlane:
 
     async def _watch_crl(self, crl: CrlManager) -> None:
         """CRL_PATH: poll the file (one stat a second) and, when new CRLs are loaded, close the
-        live inbound connections whose peer is now revoked (Rust re-checks established
-        connections on reload). Handshakes check the file too, so a revocation is never missed
-        between polls."""
+        live connections, inbound and outbound, whose peer's verified chain now holds a revoked
+        certificate (Rust re-checks established connections on reload). Handshakes check the
+        file too, so a revocation is never missed between polls."""
         seen = crl.generation
         while True:
             await asyncio.sleep(CRL_RELOAD_CHECK_INTERVAL)
