@@ -41,7 +41,7 @@ def test_baggage_only_non_empty_fields_in_order() -> None:
 def test_baggage_is_computed_once_per_workload_object() -> None:
     # Memoised per workload object and cluster id: an updated workload (a new frozen object,
     # as a state update brings) gets its own value, and so does another cluster id.
-    w = wl(workload_name="a", workload_type=WorkloadType.POD, cluster_id="")
+    w = wl(workload_name="a", workload_type="pod", cluster_id="")
     assert baggage(w) == baggage(w) == "k8s.namespace.name=ns,k8s.pod.name=a"
     assert baggage(w, "c1") == "k8s.cluster.name=c1,k8s.namespace.name=ns,k8s.pod.name=a"
     updated = dataclasses.replace(w, namespace="other")
