@@ -699,6 +699,7 @@ def run_crr(p: Path_, seconds: float, procs: int) -> dict[str, Any]:
     total = sum(cpu1[k] - cpu0[k] for k in cpu0)
     if cpu0 and r["conns"]:
         res["proxy_cpu_us_per_conn"] = total / r["conns"] * 1e6
+        res["proxy_cores"] = total / r["seconds"]
     res |= _proof(p, start, port, 0.0, 0)
     return res
 
@@ -1734,8 +1735,7 @@ def drive(args: argparse.Namespace) -> None:
         "rounds": args.rounds or (2 if quick else 3),
         "crr_seconds": 2.0 if quick else 3.0,
         "crr_procs": 4,
-        "series_sets": args.series_sets if args.series_sets is not None else
-        (2000 if quick else SCRAPE_SERIES // 4),
+        "series_sets": SCRAPE_SERIES // 4 if args.series_sets is None else args.series_sets,
         "scrapes": 3 if quick else 5,
     }  # fmt: skip
     # 10k idle connections: client, both ztunnels and the echo server need the descriptors
@@ -1848,7 +1848,7 @@ def main() -> None:
         help="one part (development; workers writes only results/suite_workers.*)",
     )
     ap.add_argument(
-        "--series-sets", type=int, help="workers: label sets for the scrape (2000 quick / 10000)"
+        "--series-sets", type=int, help="workers: label sets for the scrape (10000: 40k series)"
     )
     ap.add_argument("--no-plots", action="store_true")
     r = sub.add_parser("rr")
