@@ -1136,7 +1136,9 @@ def markdown(doc: dict[str, Any], paths: list[Path_]) -> str:
         lines += [
             "",
             f"RSS right after start (before any load): {doc['params'].get('rss_kib_at_start')} "
-            "KiB; 'at rest' is measured just before opening the idle connections.",
+            "KiB; 'at rest' is measured just before opening the idle connections. RSS is "
+            "summed over each ztunnel's processes "
+            f"({doc['params'].get('ztunnel_processes')} at start: the default worker count).",
         ]
     lines += [
         "",
@@ -1751,6 +1753,8 @@ def drive(args: argparse.Namespace) -> None:
         hb = next(p for p in paths if p.name == "ztunnel-hbone")
         time.sleep(1.0)
         params["rss_kib_at_start"] = {k: rss_kib(pid) for k, pid in hb.pids.items()}
+        # the main rows' ztunnels run the default worker count: how many processes that is
+        params["ztunnel_processes"] = {k: len(proc_tree(pid)) for k, pid in hb.pids.items()}
         for p in paths if args.only != "workers" else []:  # warm-up: HBONE pool, caches
             run_crr(p, 0.3, 1)
             run_iperf(p, 1, 1)
