@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, r
 
 log = logging.getLogger(__name__)
 
-RELOAD_CHECK_INTERVAL = 1.0
+RELOAD_CHECK_INTERVAL = 1.0  # how often the watcher re-checks live connections
 _CRL_KEY_TYPES = (
     rsa.RSAPublicKey,
     ec.EllipticCurvePublicKey,
@@ -113,7 +113,6 @@ class CrlManager:
         self._lock = threading.Lock()
         self._crls: list[_Crl] = []
         self._stamp: tuple[int, int, int] | None = None  # (mtime_ns, size, inode) loaded
-        self._next_check = 0.0
         self._verified: dict[tuple[int, bytes], bool] = {}  # (id(crl), issuer DER) -> ok
         self._last_log = 0.0
         self.generation = 0
@@ -141,11 +140,8 @@ class CrlManager:
         log.info("loaded %d CRL(s) from %s", len(crls), self.path)
 
     def maybe_reload(self) -> None:
-        """Reload if the file changed since it was loaded (checked at most once a second)."""
-        now = self._clock()
-        if now < self._next_check:
-            return
-        self._next_check = now + RELOAD_CHECK_INTERVAL
+        """Reload if the file changed since it was loaded. One stat per check: every data-plane
+        worker then sees a new file at its next handshake, so they all decide alike at once."""
         try:
             st = os.stat(self.path)
         except OSError:

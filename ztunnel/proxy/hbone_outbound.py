@@ -29,7 +29,7 @@ from ztunnel.hbone.headers import (
 )
 from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
-from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.manager import CertificateError, CertificateSource
 from ztunnel.identity.tls import (
     TlsIdentityError,
     client_context,
@@ -62,7 +62,7 @@ class HboneSettings:
 
 async def dial_hbone(
     sockets: SocketFactory,
-    secrets: SecretManager,
+    secrets: CertificateSource,
     settings: HboneSettings,
     key: WorkloadKey,
 ) -> HboneConnection:
@@ -109,7 +109,7 @@ class HboneConnector:
         self,
         config: Config,
         sockets: SocketFactory,
-        secrets: SecretManager,
+        secrets: CertificateSource,
         pool: ConnectionPool | None = None,
     ) -> None:
         self.config = config

@@ -43,7 +43,7 @@ from ztunnel.hbone.headers import (
 )
 from ztunnel.hbone.transport import AlpnRefused, HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.crl import CrlManager
-from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.manager import CertificateError, CertificateSource
 from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
@@ -114,7 +114,7 @@ class _FairStarter:
 
 
 class InboundHbone:
-    def __init__(self, ctx: ProxyContext, secrets: SecretManager) -> None:
+    def __init__(self, ctx: ProxyContext, secrets: CertificateSource) -> None:
         self.ctx = ctx
         self.secrets = secrets
         self.settings = HboneSettings.from_config(ctx.config)

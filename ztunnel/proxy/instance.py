@@ -12,13 +12,13 @@ import errno
 import functools
 import logging
 import socket
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config, WorkloadInfo
 from ztunnel.core.addr import IPAddr
 from ztunnel.core.identity import Identity
-from ztunnel.identity.manager import SecretManager
+from ztunnel.identity.manager import CertificateSource
 from ztunnel.metrics import Metrics, Reporter
 from ztunnel.net.copy import PipePool
 from ztunnel.net.fdbudget import FdBudget
@@ -55,7 +55,7 @@ class ProxyInstance:
         self,
         config: Config,
         state: State,
-        secrets: SecretManager,
+        secrets: CertificateSource,
         pipes: PipePool | None,
         info: WorkloadInfo,
         *,
@@ -196,6 +196,10 @@ class ProxyInstance:
         for comp in self.companions:
             comp.start()
 
+    def live_connections(self) -> Iterable[Any]:
+        """The live connection records (for /config_dump and /debug/connections)."""
+        return self.ctx.tracker.live
+
     @property
     def active_connections(self) -> int:
         return sum(lst.active for lst in self.listeners)
@@ -237,7 +241,7 @@ def _socket_gauge(metrics: Metrics, reporter: Reporter) -> Callable[[bool], None
 def instance_factory(
     config: Config,
     state: State,
-    secrets: SecretManager,
+    secrets: CertificateSource,
     pipes: PipePool | None,
     *,
     metrics: Metrics | None = None,

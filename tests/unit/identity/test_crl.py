@@ -158,3 +158,15 @@ def test_tls12_enabled_adds_tls12(ca: LocalCA) -> None:
             assert res.cipher is not None and res.cipher.startswith("ECDHE-")
         else:
             assert not res.ok
+
+
+def test_a_changed_file_is_seen_at_the_very_next_check(ca: LocalCA, tmp_path: Path) -> None:
+    # One stat per check, no throttle: with several data-plane workers, each decides with the
+    # new file from its next handshake on, so they never disagree for a second.
+    client = ca.issue(CLIENT)
+    path = tmp_path / "crl.pem"
+    path.write_bytes(b"")
+    server = with_policy(ca.issue(SERVER), TlsPolicy(crl=CrlManager(path, clock=Clock())))
+    assert handshake(server_context(server), client_context(client)).ok
+    write(path, revocation_list(ca, [client.serial], number=2))
+    assert not handshake(server_context(server), client_context(client)).ok
