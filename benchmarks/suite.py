@@ -1314,18 +1314,20 @@ def worker_paths(
 
 def measured(p: Path_, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run()`` plus how the CPU of each proxy's process tree split between its processes
-    (``cpu_share_a``: shares, largest first; a supervisor and two busy workers show as
-    ``[0.49, 0.48, 0.03]``), the number of processes and the box's busy cores."""
+    (``cpu_share_a``: the root process (a ztunnel's supervisor) first, then the others, largest
+    first: a supervisor, two busy workers and an idle zygote show as ``[0.02, 0.5, 0.48, 0.0]``),
+    the number of processes and the box's busy cores."""
     before = {k: tree_cpu_by_pid(pid) for k, pid in p.pids.items()}
     busy0, tot0 = bh.box_busy()
     r = run()
     busy1, tot1 = bh.box_busy()
     for k, pid in p.pids.items():
         after = tree_cpu_by_pid(pid)
-        used = [after[x] - before[k].get(x, 0.0) for x in after]
-        total = sum(used)
+        used = {x: after[x] - before[k].get(x, 0.0) for x in after}
+        total = sum(used.values())
         r[f"processes_{k}"] = len(after)
-        r[f"cpu_share_{k}"] = sorted((u / total for u in used), reverse=True) if total else []
+        rest = sorted((u / total for x, u in used.items() if x != pid), reverse=True)
+        r[f"cpu_share_{k}"] = [used.get(pid, 0.0) / total, *rest] if total else []
     r.setdefault("box_busy_cores", (busy1 - busy0) / (tot1 - tot0) * (os.cpu_count() or 1))
     if r.get("proxy_cpu_us_per_conn"):
         r["conn_per_proxy_core_s"] = 1e6 / r["proxy_cpu_us_per_conn"]
@@ -1576,18 +1578,22 @@ def workers_markdown(wdoc: dict[str, Any]) -> str:
         "### Every path (medians) and where the CPU went",
         "",
         "| path | 1 stream Gbit/s | per core | 8 streams Gbit/s | per core | conn/s | µs/conn "
-        "| processes | CPU share per process (8 streams, last round) | proof bytes 1/8 | "
+        "| processes | CPU share: root process + others (last round) | proof bytes 1/8 | "
         "proof conns (CRR) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in s.items():
         t1, t8, c = (row.get(k) or {} for k in ("tput_1", "tput_8", "crr"))
-        last = (wdoc["runs"].get(name, {}).get("tput_8") or [{}])[-1]
-        shares = "; ".join(
-            f"{k[-1]}: " + "/".join(f"{x:.2f}" for x in v)
-            for k, v in last.items()
-            if k.startswith("cpu_share_")
-        )
+        split = []
+        for test in ("tput_8", "crr"):
+            last = (wdoc["runs"].get(name, {}).get(test) or [{}])[-1]
+            split.append(f"{test}: " + "; ".join(
+                f"{k[-1]} " + (f"{v[0]:.2f} + " + "/".join(f"{x:.2f}" for x in v[1:]) if len(v) > 1
+                                else "1.00")
+                for k, v in last.items()
+                if k.startswith("cpu_share_") and v
+            ))  # fmt: skip
+        shares = "<br>".join(split)
         procs = "/".join(f"{fmt(t8.get(f'processes_{k}'), '.0f')}" for k in ("a", "b") if
                          t8.get(f"processes_{k}") is not None)  # fmt: skip
         proof = "/".join(
