@@ -81,6 +81,20 @@ def _wrow(label: str, cells: list[str]) -> str:
     return "| " + " | ".join([label, *cells]) + " |"
 
 
+def _procs(procs: list[dict[str, int]] | None) -> str:
+    """One process, or "supervisor 25.6 + zygote 12.1 + workers 13.1/13.1" (MiB PSS), root
+    first; a process that is another's parent is where the workers are forked from."""
+    if not procs or len(procs) == 1:
+        return "one process"
+    parents = {p["ppid"] for p in procs[1:]}
+    forkers = [p["pss"] / 1024 for p in procs[1:] if p["pid"] in parents]
+    workers = [p["pss"] / 1024 for p in procs[1:] if p["pid"] not in parents]
+    out = f"supervisor {procs[0]['pss'] / 1024:.1f}"
+    if forkers:
+        out += " + zygote " + "/".join(f"{v:.1f}" for v in forkers)
+    return out + " + workers " + "/".join(f"{v:.1f}" for v in workers)
+
+
 def workers_block(w: dict[str, Any]) -> list[str]:
     """The worker rows' tables (issue 18), from one suite_workers.json document."""
     env, wp, s = w["env"], w["params"], w["summary"]
@@ -145,6 +159,16 @@ def workers_block(w: dict[str, Any]) -> list[str]:
             cells += [f"{_f(a)}x", f"{_f(b)}x", f"{_f(a / b if a and b else None)}x"]
         eff = f"{_f(sc('ztunnel-tcp', test, 'efficiency'))}x / {_f(sc('ztunnel-hbone', test, 'efficiency'))}x"
         lines.append(_wrow(label, [*cells, eff]))
+    alone = w.get("memory_kib_alone") or {}
+    if alone.get("w1") and alone.get("w2"):
+        parts = []
+        for n in ("w1", "w2"):
+            m = alone[n]
+            parts.append(
+                f"N={n[1]}: **{m['pss'] / 1024:.1f} MiB PSS** ({_procs(alone.get(f'{n}_by_process'))}"
+                f"; private {m['private'] / 1024:.1f}, RSS {m['rss'] / 1024:.1f} MiB)"
+            )
+        lines += ["", "Memory at rest of a ztunnel alone on its node: " + "; ".join(parts) + "."]
     mem = w.get("memory_kib_at_rest") or {}
     if mem:
         parts = []

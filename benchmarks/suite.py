@@ -521,6 +521,25 @@ def tree_run_ns(root: int) -> int:
     return total
 
 
+def process_memory_kib(pid: int) -> dict[str, int]:
+    """RSS, PSS and private KiB of one process (``/proc/PID/smaps_rollup``) and its parent."""
+    out = {"pid": pid, "ppid": 0, "rss": 0, "pss": 0, "private": 0}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            out["ppid"] = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f.read().splitlines()[1:]:
+                key, _, rest = line.partition(":")
+                kib = int(rest.split()[0]) if rest.split() else 0
+                if key == "Rss":
+                    out["rss"] += kib
+                elif key == "Pss":
+                    out["pss"] += kib
+                elif key in ("Private_Clean", "Private_Dirty"):
+                    out["private"] += kib
+    return out
+
+
 def tree_memory_kib(root: int) -> dict[str, int]:
     """RSS, PSS and private (USS) KiB summed over the tree (``/proc/PID/smaps_rollup``), and the
     number of processes. PSS splits each shared page between the processes mapping it, so the
@@ -1334,6 +1353,53 @@ def measured(p: Path_, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return r
 
 
+def standalone_memory(loop: str) -> dict[str, Any]:
+    """PSS of one ztunnel alone on a node of its own bed (dedicated mode, one pod, local config
+    and CA), with 1 worker and then 2, 3 s after it is ready: the per-node figure of the issue's
+    targets. In the suite's bed the ztunnels share their file pages with each other, which
+    lowers each one's PSS. Also each process of the tree, root first."""
+    from ztunnel.testing.netns import Testbed
+    from ztunnel.testing.proc import ZtunnelProcess
+
+    out: dict[str, Any] = {}
+    with Testbed() as tb, tempfile.TemporaryDirectory() as tmp:
+        pod = tb.add_node("n1").add_pod("a")
+        pod.install_inpod_rules()
+        os.mkdir(os.path.join(tmp, "ca"))
+        for n in (1, 2):
+            env = {
+                "PROXY_MODE": "dedicated",
+                "LOCAL_XDS": bh.mesh_config({"a": pod}),
+                "ZTUNNEL_LOCAL_CA_DIR": os.path.join(tmp, "ca"),
+                "RUST_LOG": "info",
+                "PROXY_WORKLOAD_INFO": "default/a/sa-a",
+                "NODE_NAME": "n1",
+                "ZTUNNEL_WORKER_THREADS": str(n),
+            }
+            zt = ZtunnelProcess(pod, env, loop=loop).start()
+            try:
+                time.sleep(3.0)
+                out[f"w{n}"] = tree_memory_kib(zt.pid)
+                out[f"w{n}_by_process"] = [process_memory_kib(x) for x in proc_tree(zt.pid)]
+            finally:
+                zt.stop()
+    return out
+
+
+def _by_process(procs: list[dict[str, int]]) -> str:
+    """ "supervisor 26.2 + zygote 12.4 + workers 13.4/13.4" (MiB PSS) from process_memory_kib
+    rows, root first: a process that is the parent of another is where workers are forked."""
+    if len(procs) <= 1:
+        return f"one process {procs[0]['pss'] / 1024:.1f}" if procs else "-"
+    parents = {p["ppid"] for p in procs[1:]}
+    forkers = [p for p in procs[1:] if p["pid"] in parents]
+    workers = [p for p in procs[1:] if p["pid"] not in parents]
+    out = f"supervisor {procs[0]['pss'] / 1024:.1f}"
+    if forkers:
+        out += " + zygote " + "/".join(f"{p['pss'] / 1024:.1f}" for p in forkers)
+    return out + " + workers " + "/".join(f"{p['pss'] / 1024:.1f}" for p in workers)
+
+
 def worker_memory(wpaths: list[Path_]) -> dict[str, Any]:
     """PSS / RSS / private KiB of each worker-row ztunnel at rest, summed over its process tree."""
     out: dict[str, Any] = {}
@@ -1416,7 +1482,10 @@ def run_scrape(p: Path_, sets: int, scrapes: int) -> dict[str, Any]:
 
 
 def run_workers(
-    wpaths: list[Path_], wp: dict[str, Any], record: Callable[[Path_, str, dict[str, Any]], None]
+    wpaths: list[Path_],
+    wp: dict[str, Any],
+    record: Callable[[Path_, str, dict[str, Any]], None],
+    alone: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The worker rows: PSS at rest, then rounds (order flipped each round) of iperf3 1 and 8
     streams and new connections/s on every path, then the scrape at many series on N=1 and N=2."""
@@ -1448,10 +1517,11 @@ def run_workers(
         "params": wp,
         "elapsed_s": round(time.monotonic() - started, 1),
         "memory_kib_at_rest": memory,
+        "memory_kib_alone": alone or {},
         "scrape": scrape,
         "summary": summary,
         "ratios": worker_ratios(summary),
-        "targets": worker_targets(summary, memory),
+        "targets": worker_targets(summary, memory, alone or {}),
         "runs": {p.name: p.res for p in wpaths},
     }
 
@@ -1483,7 +1553,9 @@ def worker_ratios(s: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def worker_targets(s: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, Any]]:
+def worker_targets(
+    s: dict[str, Any], memory: dict[str, Any], alone: dict[str, Any]
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     ratios = {(r["row"], r["test"]): r for r in worker_ratios(s)}
     for test, _, _, label in WORKER_TESTS:
@@ -1518,11 +1590,21 @@ def worker_targets(s: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, 
         mib[f"w2_{x}"] - mib[f"w1_{x}"] if f"w2_{x}" in mib and f"w1_{x}" in mib else None
         for x in ("a", "b")
     ]
-    for what, vals, want in (
-        ("PSS at rest, 1 worker (ztunnel a / b, process tree)", one, T_PSS_ONE_WORKER_MIB),
-        ("PSS at rest, each extra worker (2 workers minus 1; a / b)", extra,
+    rows: list[tuple[str, list[float | None], float]] = []
+    if "w1" in alone and "w2" in alone:  # the per-node figures: a ztunnel alone on its node
+        a1, a2 = alone["w1"]["pss"] / 1024, alone["w2"]["pss"] / 1024
+        rows += [
+            ("PSS at rest, 1 worker, a ztunnel alone on its node", [a1], T_PSS_ONE_WORKER_MIB),
+            ("PSS at rest, each extra worker, alone on its node (2 workers minus 1)", [a2 - a1],
+             T_PSS_PER_EXTRA_WORKER_MIB),
+        ]  # fmt: skip
+    rows += [
+        ("PSS at rest, 1 worker, in the suite's bed (ztunnel a / b; pages shared with the bed's "
+         "other ztunnels)", one, T_PSS_ONE_WORKER_MIB),
+        ("PSS at rest, each extra worker, in the bed (2 workers minus 1; a / b)", extra,
          T_PSS_PER_EXTRA_WORKER_MIB),
-    ):  # fmt: skip
+    ]  # fmt: skip
+    for what, vals, want in rows:
         known = [v for v in vals if v is not None]
         out.append(
             {
@@ -1621,6 +1703,16 @@ def workers_markdown(wdoc: dict[str, Any]) -> str:
     ]
     for k, m in wdoc["memory_kib_at_rest"].items():
         lines.append(f"| {k} | {m['processes']} | {m['pss']} | {m['private']} | {m['rss']} |")
+    alone = wdoc.get("memory_kib_alone") or {}
+    for wn in ("w1", "w2"):
+        if m := alone.get(wn):
+            lines.append(
+                f"| {wn}, alone on its node | {m['processes']} | {m['pss']} | {m['private']} "
+                f"| {m['rss']} |"
+            )
+    for wn in ("w1", "w2"):
+        if tree := alone.get(f"{wn}_by_process"):
+            lines += ["", f"{wn} alone, PSS MiB by process: {_by_process(tree)}."]
     if wdoc["scrape"]:
         lines += [
             "",
@@ -1754,6 +1846,10 @@ def drive(args: argparse.Namespace) -> None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     started = time.monotonic()
+    alone = None
+    if args.only in (None, "workers"):  # before the suite's bed: nothing else of ours runs
+        alone = standalone_memory(args.loop)
+        print(f"  memory of a ztunnel alone on its node: {alone}", file=sys.stderr)
     with suite_bed(args.loop, workers=args.only in (None, "workers")) as (paths, wpaths):
         print(f"testbed up in {time.monotonic() - started:.1f}s", file=sys.stderr)
         hb = next(p for p in paths if p.name == "ztunnel-hbone")
@@ -1797,7 +1893,7 @@ def drive(args: argparse.Namespace) -> None:
             r = run_idle_memory(hb, server, args.idle_conns)
             hb.res["idle"] = [r]
             print(f"  idle: {r}", file=sys.stderr)
-        wres = run_workers(wpaths, wp, record) if wpaths else None
+        wres = run_workers(wpaths, wp, record, alone) if wpaths else None
         summary = summarize(paths)
     doc: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/suite.py", *sys.argv[1:]]),

@@ -139,6 +139,16 @@ WORKERS: dict[str, Any] = {
         "w2_a": {"pss": 40960, "private": 38000, "rss": 90000, "processes": 3},
         "w2_b": {"pss": 40448, "private": 38000, "rss": 90000, "processes": 3},
     },
+    "memory_kib_alone": {
+        "w1": {"pss": 41779, "private": 40000, "rss": 51200, "processes": 1},
+        "w2": {"pss": 66560, "private": 39000, "rss": 156000, "processes": 4},
+        "w2_by_process": [
+            {"pid": 10, "ppid": 1, "pss": 26214, "private": 20000, "rss": 51000},
+            {"pid": 11, "ppid": 10, "pss": 12390, "private": 5000, "rss": 33000},
+            {"pid": 12, "ppid": 11, "pss": 13414, "private": 6000, "rss": 36000},
+            {"pid": 13, "ppid": 11, "pss": 13517, "private": 6000, "rss": 36000},
+        ],
+    },
     "scrape": {
         "w2": {
             "series": 40123,
@@ -172,6 +182,10 @@ def test_worker_rows_carry_their_own_run_scaling_and_memory() -> None:
     assert _row(block, "1 stream")[:3] == ["1.25x", "1.00x", "1.25x"]
     assert _row(block, "1 stream")[6] == "0.96x / -x"
     assert "N=1: **31.5 / 31.0 MiB PSS**" in block and "N=2: **40.0 / 39.5 MiB PSS**" in block
+    # alone on its node, by process: the root is the supervisor, the parent of the workers
+    # the zygote
+    assert "alone on its node: N=1: **40.8 MiB PSS** (one process;" in block
+    assert "N=2: **65.0 MiB PSS** (supervisor 25.6 + zygote 12.1 + workers 13.1/13.2;" in block
     assert "N=2, 40123 series" in block and "151 ms and 140 ms of ztunnel CPU" in block
     assert _row(block, "scaling vs HAProxy")[2] == "met"
     assert _row(block, "PSS extra worker")[2] == "**MISSED**"
