@@ -139,7 +139,9 @@ def workers_block(w: dict[str, Any]) -> list[str]:
                  [c for _, row, _ in W_PATHS for c in cell(row, test, "box_busy_cores")]),
         ]  # fmt: skip
     procs = [c for _, row, _ in W_PATHS for c in cell(row, "tput_8", "processes_a", ".0f")]
-    lines.append(_wrow("processes per proxy (a side)", procs))
+    lines.append(
+        _wrow("processes per proxy (a side; ztunnel N=2: supervisor, zygote, 2 workers)", procs)
+    )
     lines += [
         "",
         "| scaling, 2 over 1 | ztunnel-py TCP | HAProxy in-pod | ratio | ztunnel-py HBONE "
@@ -183,9 +185,8 @@ def workers_block(w: dict[str, Any]) -> list[str]:
                 )
         lines += [
             "",
-            "Memory at rest, ztunnel a / b, summed over the process tree: "
-            + "; ".join(parts)
-            + ".",
+            "In the suite's bed (file pages shared with its other ztunnels, so lower), "
+            "ztunnel a / b, summed over the process tree: " + "; ".join(parts) + ".",
         ]
     for n, r in (w.get("scrape") or {}).items():
         lines.append("")

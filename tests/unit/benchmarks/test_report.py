@@ -175,7 +175,9 @@ def test_worker_rows_carry_their_own_run_scaling_and_memory() -> None:
     assert "`python benchmarks/suite.py --quick --only workers`" in block
     assert _row(block, "Gbit/s, 1 stream")[:4] == ["6.00", "7.50", "-", "-"]
     assert _row(block, "box busy cores, 1 stream")[0] == "1.99"
-    assert _row(block, "processes per proxy (a side)")[:2] == ["-", "3"]
+    assert _row(block, "processes per proxy (a side; ztunnel N=2: supervisor, zygote, 2 workers)")[
+        :2
+    ] == ["-", "3"]
     assert _row(block, "new connections/s")[3] == "3338"
     assert _row(block, "**connections per proxy core-second**")[3] == "7588"
     # scaling 7.5/6.0 = 1.25x beside HAProxy's 1.00x, ratio 1.25x; efficiency 24/25
