@@ -468,24 +468,7 @@ _HAP = re.compile(r"HAPLOG (\d+) (\d+)")
 # processes (children or grandchildren), so its CPU and memory are summed over the whole tree
 
 
-def proc_tree(root: int) -> list[int]:
-    """``root`` and every live descendant (walks the ppid of each /proc/PID/stat)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
+proc_tree = bh.proc_tree  # root and every live descendant, from the ppid of /proc/*/stat
 
 
 def tree_cpu_by_pid(root: int) -> dict[int, float]:

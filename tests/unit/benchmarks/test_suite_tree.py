@@ -65,6 +65,9 @@ def test_tree_counts_children_and_grandchildren() -> None:
         assert by_pid[pids["child"]] >= 0.25 and by_pid[pids["grandchild"]] >= 0.25
         assert suite.tree_cpu_seconds(proc.pid) >= 0.5
         assert suite.tree_run_ns(proc.pid) >= 0.5e9
+        # bench_hbone's own helpers (bench_hbone.py, soak) count the same tree
+        assert suite.bh.cpu_seconds(proc.pid) >= 0.5
+        assert suite.bh._rss_kib(proc.pid) > 2.5 * suite.bh._rss_kib(pids["grandchild"])
         mem = suite.tree_memory_kib(proc.pid)
         assert mem["processes"] == 3
         assert 0 < mem["private"] <= mem["pss"] <= mem["rss"]
