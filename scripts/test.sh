@@ -8,4 +8,9 @@ python3 -m ruff check ztunnel tests benchmarks
 python3 -m ruff format --check ztunnel tests benchmarks
 python3 -m mypy ztunnel
 python3 -m mypy benchmarks/*.py
-python3 -m pytest -q "$@"
+# Everything with two data-plane workers (Rust's default worker count on any machine), then the
+# netns suite again with one (the single-process ztunnel), unless a selection was given.
+ZTUNNEL_WORKER_THREADS=2 python3 -m pytest -q "$@"
+if [ $# -eq 0 ]; then
+    ZTUNNEL_WORKER_THREADS=1 python3 -m pytest -q tests/netns
+fi

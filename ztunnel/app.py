@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -184,9 +183,13 @@ class App:
         for server in self.servers:
             await server.start()
         if self.workers is not None:
-            await self.workers.start()  # (the workers run the housekeeping of their proxies)
-        else:
-            dp.start()
+            from ztunnel.workers.supervisor import WorkerStartError
+
+            try:
+                await self.workers.start()
+            except WorkerStartError as e:
+                raise StartupError(str(e)) from None
+        dp.start(proxies=self.workers is None)  # (workers keep their own proxies in order)
         if cfg.proxy_mode is ProxyMode.DEDICATED:
             assert cfg.proxy_workload_info is not None
             proxy = dp.build(cfg.proxy_workload_info, None, extra_local_ips=self._instance_ips())
@@ -351,16 +354,10 @@ class App:
             stats["pending_proxies"] = self.inpod.pending
         # Objects the cyclic GC had to free so far: per-connection reference cycles show up here.
         stats["gc_collected"] = sum(g["collected"] for g in gc.get_stats())
-        trimmer = self.dataplane.trimmer if self.dataplane is not None else None
-        if trimmer is not None:
-            stats["malloc_trims"] = trimmer.trims
-            stats["malloc_free_kib"] = trimmer.free_bytes() >> 10
+        if self.dataplane is not None:
+            stats.update(self.dataplane.runtime_stats())
         if self.workers is not None:
             stats.update(self.workers.runtime_stats())
-        if self.pipes is not None:
-            stats.update(
-                {f"pipes_{k}": v for k, v in dataclasses.asdict(self.pipes.stats()).items()}
-            )
         return stats
 
     async def total_runtime_stats(self) -> dict[str, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import logging
 import os
@@ -170,6 +171,9 @@ def _fork_zygote(config: Config, loop: str) -> Zygote | None:
         import ztunnel.dns.server  # noqa: F401
     if loop == "uvloop":
         import uvloop  # noqa: F401
+    # The imported objects stay out of the collector from now on: its passes would write to
+    # every page holding one and unshare them (Python docs, gc.freeze).
+    gc.freeze()
     return Zygote.fork(functools.partial(worker.main, loop=loop))
 
 

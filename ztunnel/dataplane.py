@@ -10,6 +10,7 @@ CRL reloads and the idle malloc trim.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -131,16 +132,19 @@ class DataPlane:
 
     # --- housekeeping --------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._unsubscribe = self.state.subscribe(self._on_state_change)
-        self._spawn(self._flush_metrics_forever())
+    def start(self, *, proxies: bool = True) -> None:
+        """The housekeeping tasks; ``proxies=False`` (a supervisor whose workers run the
+        proxies) starts only the malloc trim."""
+        if proxies:
+            self._unsubscribe = self.state.subscribe(self._on_state_change)
+            self._spawn(self._flush_metrics_forever())
         if (trim := self.config.malloc_trim_interval.total_seconds()) > 0:
             from ztunnel.net.malloc import IdleTrimmer
 
             self.trimmer = IdleTrimmer()
             if self.trimmer.available:
                 self._spawn(self.trimmer.run(trim))
-        if self.crl is not None:
+        if self.crl is not None and proxies:
             self._spawn(self._watch_crl(self.crl))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -173,9 +177,9 @@ class DataPlane:
 
     async def _watch_crl(self, crl: CrlManager) -> None:
         """CRL_PATH: poll the file (one stat a second) and, when new CRLs are loaded, close the
-        live inbound connections whose peer is now revoked (Rust re-checks established
-        connections on reload). Handshakes check the file too, so a revocation is never missed
-        between polls."""
+        live connections, inbound and outbound, whose peer's verified chain now holds a revoked
+        certificate (Rust re-checks established connections on reload). Handshakes check the
+        file too, so a revocation is never missed between polls."""
         seen = crl.generation
         while True:
             await asyncio.sleep(CRL_RELOAD_CHECK_INTERVAL)
@@ -183,9 +187,21 @@ class DataPlane:
             if crl.generation == seen:
                 continue
             seen = crl.generation
-            closed = sum(inst.inbound.close_revoked(crl) for inst in self.instances())
+            closed = sum(inst.close_revoked(crl) for inst in self.instances())
             if closed:
                 log.warning("CRL reload: closed %d connection(s) with a revoked peer", closed)
+
+    def runtime_stats(self) -> dict[str, int]:
+        """The malloc trimmer's and the pipe pool's counters."""
+        stats: dict[str, int] = {}
+        if self.trimmer is not None:
+            stats["malloc_trims"] = self.trimmer.trims
+            stats["malloc_free_kib"] = self.trimmer.free_bytes() >> 10
+        if self.pipes is not None:
+            stats.update(
+                {f"pipes_{k}": v for k, v in dataclasses.asdict(self.pipes.stats()).items()}
+            )
+        return stats
 
     async def close(self) -> None:
         if self._unsubscribe is not None:

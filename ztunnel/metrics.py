@@ -1176,11 +1176,18 @@ def registry_values(registry: CollectorRegistry) -> RegistryValues:
 class _Merged:
     """A collector yielding ``registry``'s families with the other processes' values added:
     counters, gauges and histograms sum series by label tuple (what Rust's one registry shared by
-    its worker threads shows)."""
+    its worker threads shows). ``memo`` carries the merged series from one scrape to the next,
+    so each keeps its rendered label text (and only the series present now are shown)."""
 
-    def __init__(self, registry: CollectorRegistry, others: Sequence[RegistryValues]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        others: Sequence[RegistryValues],
+        memo: dict[str, dict[tuple[str, ...], Any]],
+    ) -> None:
         self.registry = registry
         self.others = others
+        self.memo = memo
 
     def collect(self) -> Iterator[Metric]:
         for metric in self.registry.collect():
@@ -1191,35 +1198,55 @@ class _Merged:
             extra = [o[name] for o in self.others if name in o]
             if not extra:
                 yield metric
-            elif isinstance(metric, _HistogramSnapshot):
-                yield _HistogramSnapshot(metric.family, _sum_histograms(metric, extra))  # type: ignore[arg-type]
+                continue
+            before = self.memo.get(name, {})
+            if isinstance(metric, _HistogramSnapshot):
+                hist = _sum_histograms(metric, extra, before)
+                self.memo[name] = hist
+                yield _HistogramSnapshot(metric.family, list(hist.values()))  # type: ignore[arg-type]
             else:
-                yield _FamilySnapshot(metric.family, _sum_cells(metric.cells, extra))
+                cells = _sum_cells(metric.cells, extra, before)
+                self.memo[name] = cells
+                yield _FamilySnapshot(metric.family, list(cells.values()))
 
 
-def _sum_cells(own: list[Cell], extra: list[Values]) -> list[Cell]:
+def _sum_cells(
+    own: list[Cell], extra: list[Values], before: dict[tuple[str, ...], Any]
+) -> dict[tuple[str, ...], Cell]:
     cells: dict[tuple[str, ...], Cell] = {}
-    for c in own:
-        cell = cells[c.key] = Cell(c.key)
-        cell.value = c.value
-        cell.text = c.text
-    for values in extra:
+    find, reuse = cells.get, before.get  # (one loop, inlined: 40k series a scrape)
+    own_values = {c.key: c.value for c in own}
+    for values in (own_values, *extra):
         for key, value in values.items():
-            found = cells.get(key)
-            if found is None:
-                found = cells[key] = Cell(key)
-            found.value += value
-    return list(cells.values())
+            c = find(key)
+            if c is None:
+                c = reuse(key)
+                if c is None:
+                    c = Cell(key)
+                else:
+                    c.value = 0
+                cells[key] = c
+            c.value += value
+    return cells
 
 
-def _sum_histograms(metric: _HistogramSnapshot, extra: list[Values]) -> list[HistogramCell]:
+def _sum_histograms(
+    metric: _HistogramSnapshot, extra: list[Values], before: dict[tuple[str, ...], Any]
+) -> dict[tuple[str, ...], HistogramCell]:
     n = len(metric.family.bounds)  # type: ignore[attr-defined]
     cells: dict[tuple[str, ...], HistogramCell] = {}
 
     def add(key: tuple[str, ...], buckets: Sequence[int], total: float, count: int) -> None:
         cell = cells.get(key)
         if cell is None:
-            cell = cells[key] = HistogramCell(key, n)
+            cell = before.get(key)
+            if cell is None:
+                cell = HistogramCell(key, n)
+            else:
+                cell.buckets = [0] * n
+                cell.sum = 0.0
+                cell.count = 0
+            cells[key] = cell
         for i, b in enumerate(buckets):
             cell.buckets[i] += b
         cell.sum += total
@@ -1231,13 +1258,16 @@ def _sum_histograms(metric: _HistogramSnapshot, extra: list[Values]) -> list[His
     for values in extra:
         for key, (buckets, total, count) in values.items():
             add(key, buckets, total, count)
-    return list(cells.values())
+    return cells
 
 
 def merged_registry(
-    registry: CollectorRegistry, others: Sequence[RegistryValues]
+    registry: CollectorRegistry,
+    others: Sequence[RegistryValues],
+    memo: dict[str, dict[tuple[str, ...], Any]] | None = None,
 ) -> CollectorRegistry:
-    """A registry for one scrape: ``registry`` plus the series of ``others`` (see ``_Merged``)."""
+    """A registry for one scrape: ``registry`` plus the series of ``others`` (see ``_Merged``;
+    pass the same ``memo`` to every scrape)."""
     out = CollectorRegistry(auto_describe=False)
-    out.register(_Merged(registry, others))
+    out.register(_Merged(registry, others, {} if memo is None else memo))
     return out

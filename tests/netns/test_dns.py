@@ -573,6 +573,7 @@ def test_dedicated_mode_in_its_own_netns(bed: Bed) -> None:
   name: c5
   namespace: ns1
   serviceAccount: default
+  trustDomain: cluster.local
   workloadIps: ["{c5.ip4}"]
   protocol: TCP
 services:

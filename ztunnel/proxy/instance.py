@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config, WorkloadInfo
 from ztunnel.core.addr import IPAddr
 from ztunnel.core.identity import Identity
+from ztunnel.identity.crl import CrlManager
 from ztunnel.identity.manager import CertificateSource
 from ztunnel.metrics import Metrics, Reporter
 from ztunnel.net.copy import PipePool
@@ -222,6 +223,11 @@ class ProxyInstance:
         if self.ctx.policies is None:
             return 0
         return self.ctx.tracker.recheck(self.ctx.policies, self.workload())
+
+    def close_revoked(self, crl: CrlManager) -> int:
+        """After a CRL reload: close this instance's connections, inbound and outbound (pooled
+        and double-HBONE inner), whose peer's verified chain is now revoked. Returns how many."""
+        return self.inbound.close_revoked(crl) + self.connector.close_revoked(crl)
 
     async def close(self) -> None:
         """Immediate: listeners and every connection close now (a deleted pod)."""

@@ -36,6 +36,10 @@ _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize)
 Handler = Callable[[Any, list[int]], None]
 
 
+def encode(msg: Any) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 class ChannelClosed(Exception):
     """The other end is gone."""
 
@@ -69,11 +73,14 @@ class Channel:
 
     def send(self, msg: Any, fds: Sequence[int] = ()) -> None:
         """Queue ``msg`` (and duplicates of ``fds``). Raises ChannelClosed."""
+        self.send_encoded(encode(msg), fds)
+
+    def send_encoded(self, payload: bytes, fds: Sequence[int] = ()) -> None:
+        """:meth:`send` of a message :func:`encode` made (one encoding for many channels)."""
         if self.closed:
             raise ChannelClosed("channel closed")
         if len(fds) > MAX_FDS_PER_FRAME:
             raise ValueError(f"at most {MAX_FDS_PER_FRAME} fds per message")
-        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         frame = _HEADER.pack(len(payload), len(fds)) + payload
         self._wqueue.append((memoryview(frame), [os.dup(fd) for fd in fds]))
         if not self._writing:

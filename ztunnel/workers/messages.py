@@ -10,7 +10,7 @@ Supervisor -> worker:
     Query             "metrics" | "live" | "stats" | "profile", then Reply
     Demanded          an on-demand xDS fetch the worker asked for has been answered
     SetLogLevel       a /logging change
-    Drain             the process is stopping: drain every proxy, Reply, exit
+(The supervisor stops a worker by closing its channel, once every pod was removed.)
 
 Worker -> supervisor:
     Ready             after Hello; carries the pid
@@ -90,12 +90,6 @@ class Demanded:
 @dataclass(frozen=True, slots=True)
 class SetLogLevel:
     spec: str
-
-
-@dataclass(frozen=True, slots=True)
-class Drain:
-    deadline: float
-    request: int
 
 
 @dataclass(frozen=True, slots=True)

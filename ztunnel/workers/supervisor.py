@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,12 +34,12 @@ from ztunnel.config import Config
 from ztunnel.core.identity import Identity
 from ztunnel.dataplane import DataPlane
 from ztunnel.identity.certs import WorkloadCertificate
-from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.manager import SecretManager
 from ztunnel.metrics import RegistryValues, merged_registry
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.store import ChangeKind, State, StateChange
 from ztunnel.workers import messages as m
-from ztunnel.workers.ipc import Channel, ChannelClosed
+from ztunnel.workers.ipc import Channel, ChannelClosed, encode
 from ztunnel.workers.zygote import Zygote
 
 log = logging.getLogger("ztunnel.workers")
@@ -46,6 +47,7 @@ log = logging.getLogger("ztunnel.workers")
 START_TIMEOUT = 30.0
 QUERY_TIMEOUT = 5.0
 RESTART_DELAY = 1.0
+MAX_BACKLOG = 256 * 1024 * 1024  # bytes queued to one worker (state snapshots of huge meshes)
 
 
 class WorkerStartError(Exception):
@@ -80,12 +82,22 @@ class _Worker:
     requests: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     certs: set[Identity] = field(default_factory=set)
 
-    def send(self, msg: Any, fds: Iterable[int] = ()) -> bool:
+    def send(self, msg: Any, fds: Iterable[int] = (), *, encoded: bytes | None = None) -> bool:
         if self.channel is None or self.channel.closed:
             return False
         try:
-            self.channel.send(msg, list(fds))
+            self.channel.send_encoded(encode(msg) if encoded is None else encoded, list(fds))
         except ChannelClosed:
+            return False
+        if self.channel.pending_bytes > MAX_BACKLOG and self.pid:
+            # A worker that stopped reading (stuck) would make us queue without bound: it is
+            # killed, and restarted like one that died.
+            log.error(
+                "worker %d (pid %d) is not reading its channel; killing it", self.index, self.pid
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.channel.close()
             return False
         return True
 
@@ -105,13 +117,14 @@ class RemoteInstance(ProxyInstance):
         self.pool.add(self)
 
     async def drain(self, deadline: float) -> int:
-        try:
-            return await self.pool.remove(self, deadline)
-        finally:
-            for comp in self.companions:
-                comp.abort()
-            for sock in self.sockets.bound.values():
-                sock.close()
+        # Our copies go first: the kernel queues stay only while some worker still listens
+        # (each closes its own as its drain starts), so no connection waits in a queue that
+        # nobody accepts from (another ztunnel bound beside us gets it instead).
+        for comp in self.companions:
+            comp.abort()
+        for sock in self.sockets.bound.values():
+            sock.close()
+        return await self.pool.remove(self, deadline)
 
     def recheck_policies(self) -> int:
         return 0  # (each worker re-checks its own connections)
@@ -151,6 +164,7 @@ class WorkerPool:
         self._flush_scheduled = False
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._metrics_memo: dict[str, dict[tuple[str, ...], Any]] = {}
         state.subscribe(self._on_state_change)
         secrets.on_certificate = self._on_certificate
         secrets.on_forget = self._on_forget
@@ -258,8 +272,8 @@ class WorkerPool:
     async def _serve_cert(self, w: _Worker, identity: Identity) -> None:
         try:
             cert = await self.secrets.fetch_certificate(identity)
-        except CertificateError as e:
-            w.send(m.Cert(identity, None, str(e)))
+        except Exception as e:  # (CertificateError, or anything: the worker must get an answer)
+            w.send(m.Cert(identity, None, str(e) or type(e).__name__))
         else:
             w.send(m.Cert(identity, cert_bundle(cert)))
 
@@ -310,8 +324,9 @@ class WorkerPool:
         ops = [self._op(kind, key) for kind, key in self._pending]
         self._pending.clear()
         msg = m.StateOps(ops)
+        payload = encode(msg)  # (once for every worker)
         for w in self.workers.values():
-            w.send(msg)
+            w.send(msg, encoded=payload)
 
     def _snapshot(self) -> list[m.StateOp]:
         s = self.state
@@ -386,7 +401,7 @@ class WorkerPool:
     async def scrape_registry(self) -> CollectorRegistry:
         """The supervisor's registry with every worker's series added (one scrape)."""
         values: list[RegistryValues] = await self.query("metrics")
-        return merged_registry(self.registry, values)
+        return merged_registry(self.registry, values, self._metrics_memo)
 
     async def refresh_live(self) -> None:
         """Every pod's live connections, as the workers report them now."""

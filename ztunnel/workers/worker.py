@@ -184,8 +184,6 @@ class Worker:
         elif isinstance(msg, m.SetLogLevel):
             if self._log is not None:
                 self._log.change(msg.spec, reset=True)
-        elif isinstance(msg, m.Drain):
-            self._spawn(self._drain(msg))
         elif isinstance(msg, m.Hello):
             self._hello(msg)
         else:
@@ -263,10 +261,6 @@ class Worker:
                     os.close(netns)
         self._send(m.Reply(msg.request, cut))
 
-    async def _drain(self, msg: m.Drain) -> None:
-        cut = await self._stop(msg.deadline)
-        self._send(m.Reply(msg.request, cut))
-
     async def _stop(self, deadline: float) -> int:
         entries = list(self.proxies.values())
         self.proxies.clear()
@@ -305,8 +299,8 @@ class Worker:
                 "connections": sum(p.active_connections for p, _ in self.proxies.values()),
                 "gc_collected": sum(g["collected"] for g in gc.get_stats()),
             }
-            if dp is not None and dp.trimmer is not None:
-                stats["malloc_trims"] = dp.trimmer.trims
+            if dp is not None:
+                stats.update(dp.runtime_stats())
             return stats
         return None
 

@@ -5,6 +5,7 @@ processes."""
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -98,3 +99,19 @@ def test_metrics_of_every_process_are_summed_by_series() -> None:
     assert text.count("# TYPE t_conns_total counter") == 1
     # The supervisor's own cells are not changed by a scrape.
     assert sup_fam.labels("source").get() == 1
+
+
+def test_repeated_scrapes_do_not_accumulate_and_drop_vanished_series() -> None:
+    sup, _, _ = _registry(1)
+    w1, fam1, _ = _registry(2)
+    memo: dict[str, dict[tuple[str, ...], Any]] = {}
+    fam1.labels("gone").inc(5)
+    first = encode(merged_registry(sup, [registry_values(w1)], memo)).decode()
+    assert 't_conns_total{reporter="source"} 3' in first
+    assert 't_dur_count{k="x"} 2' in first
+    values = registry_values(w1)
+    del values["t_conns"][("gone",)]
+    second = encode(merged_registry(sup, [values], memo)).decode()
+    assert 't_conns_total{reporter="source"} 3' in second  # the same, not 6
+    assert 't_dur_count{k="x"} 2' in second
+    assert "gone" not in second
