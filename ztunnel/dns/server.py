@@ -29,8 +29,8 @@ from ztunnel.config import Config, ProxyMode
 from ztunnel.core.addr import SocketAddr
 from ztunnel.dns import wire
 from ztunnel.dns.forwarder import Forwarder, ResolvConfSource
-from ztunnel.dns.ratelimit import RateLimitedLog
 from ztunnel.dns.resolver import Resolver, is_supported_type
+from ztunnel.logs import RateLimitedLog
 from ztunnel.metrics import Cell, DnsMetrics, HistogramCell, dns_labels
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.sockets import SocketFactory
