@@ -41,7 +41,7 @@ import dns.rrset
 from ztunnel.core.addr import IPAddr, SocketAddr, parse_ip
 from ztunnel.dns import names, wire
 from ztunnel.dns.names import Name
-from ztunnel.dns.ratelimit import RateLimitedLog
+from ztunnel.logs import RateLimitedLog
 from ztunnel.proxy.sockets import SocketFactory
 
 log = logging.getLogger("ztunnel.dns")

@@ -242,30 +242,3 @@ def _socket_gauge(metrics: Metrics, reporter: Reporter) -> Callable[[bool], None
             metrics.socket_closed(reporter)
 
     return on_socket
-
-
-def instance_factory(
-    config: Config,
-    state: State,
-    secrets: CertificateSource,
-    pipes: PipePool | None,
-    *,
-    metrics: Metrics | None = None,
-    policies: PolicyIndex | None = None,
-    companions: CompanionBuilder | None = None,
-) -> Callable[[WorkloadInfo, int | None, str], ProxyInstance]:
-    def build(info: WorkloadInfo, netns_fd: int | None, name: str) -> ProxyInstance:
-        return ProxyInstance(
-            config,
-            state,
-            secrets,
-            pipes,
-            info,
-            netns_fd=netns_fd,
-            name=name,
-            metrics=metrics,
-            policies=policies,
-            companions=companions,
-        )
-
-    return build
