@@ -13,7 +13,11 @@ import pytest
 _PROBE = r"""
 import json, struct, sys
 import ztunnel.app, ztunnel.cli, ztunnel.dns.server
+from ztunnel.config import Config
 from ztunnel.dns import wire
+
+# no mesh config file, no PROXY_CONFIG: nothing for PyYAML to parse
+Config.from_env({"PROXY_MODE": "shared"}, mesh_config="/nonexistent/mesh.yaml")
 
 # a one-question A query, answered on the fast path as from state
 query = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0) + b"\x07reviews\x03ns1\x00" + b"\x00\x01\x00\x01"
@@ -24,7 +28,7 @@ assert wire.type_text(req.qtype) == "a"
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
 """
 
-LAZY = ("dns", "grpclib", "google", "yaml", "h2")
+LAZY = ("dns", "grpclib", "google", "yaml", "h2", "tracemalloc")
 
 
 @pytest.mark.timeout(60)
