@@ -195,10 +195,11 @@ class App:
             await server.start()
         self._spawn(self._flush_metrics_forever())
         if (trim := cfg.malloc_trim_interval.total_seconds()) > 0:
+            from ztunnel.hbone.transport import release_scratch
             from ztunnel.net.malloc import IdleTrimmer
 
-            self.trimmer = IdleTrimmer()
-            if self.trimmer.available:
+            self.trimmer = IdleTrimmer(release=(release_scratch,))
+            if self.trimmer.available or self.trimmer.release:
                 self._spawn(self.trimmer.run(trim))
         if self.crl is not None:
             self._spawn(self._watch_crl(self.crl))

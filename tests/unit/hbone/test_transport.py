@@ -18,10 +18,12 @@ import pytest
 
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone import transport
 from ztunnel.hbone.transport import (
     ConnectionLost,
     HboneConnection,
     StreamBridge,
+    release_scratch,
     tls_handshake,
 )
 from ztunnel.identity.localca import LocalCA
@@ -337,6 +339,44 @@ async def test_a_connection_owns_no_bulk_buffers(contexts) -> None:
     finally:
         tracemalloc.stop()
     assert per_pair < 128 * 1024, f"{per_pair / 1024:.0f} KiB per connection pair"
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_scratch_release_gives_the_pages_back() -> None:
+    s = transport._Scratch()
+    s.recv_view[:] = b"\x01" * len(s.recv_view)
+    s.plain_view[:] = b"\x02" * len(s.plain_view)
+    s.tx(16384)
+    touched = _rss_kib()
+    s.release()
+    # 768 KiB of read/decrypt buffers (less whatever else the process did meanwhile)
+    assert touched - _rss_kib() > 600, (touched, _rss_kib())
+    assert s.recv_view[:64] == bytes(64) and s.plain_view[-64:] == bytes(64)
+    assert not s._tx
+
+
+@pytest.mark.both_loops
+async def test_streams_carry_on_after_the_scratch_is_released(contexts) -> None:
+    """What the idle trimmer does between callbacks: the next reads fault zero pages in."""
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        for i in range(6):
+            msg = payload(100_000 + i, i)
+            t.app.send(msg)
+            got = await recv_exact(t.upstream, len(msg))
+            assert got == msg
+            t.upstream.send(got[::-1])
+            assert await recv_exact(t.app, len(msg)) == msg[::-1]
+            release_scratch()
+        t.app.close()
+        t.upstream.close()
 
 
 @pytest.mark.both_loops
