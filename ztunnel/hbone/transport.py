@@ -232,6 +232,26 @@ class _PendingWrite:
 class StreamBridge:
     """Copies one TCP socket <-> one HTTP/2 stream. Owns (and finally closes) the socket."""
 
+    # One per tunnelled connection for its whole life: no __dict__ (memory per idle connection).
+    __slots__ = (
+        "_error",
+        "_fin_sent",
+        "_finished",
+        "_h2_eof",
+        "_pending",
+        "_reading",
+        "_tcp_eof",
+        "_writer_armed",
+        "conn",
+        "counters",
+        "done",
+        "fd",
+        "h2_to_tcp",
+        "sock",
+        "stream_id",
+        "tcp_to_h2",
+    )
+
     def __init__(
         self,
         conn: HboneConnection,
