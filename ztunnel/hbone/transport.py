@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
@@ -229,6 +230,25 @@ class _PendingWrite:
     flow: int  # flow-controlled bytes to acknowledge once written
 
 
+class _BridgeDone(asyncio.Future["StreamBridge"]):
+    """A bridge's completion. Cancelling it (the awaiting task was cancelled: drain, policy,
+    deleted pod) aborts the bridge, as the coroutine that awaited it used to."""
+
+    __slots__ = ("bridge",)
+
+    def __init__(self, bridge: StreamBridge, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.bridge: StreamBridge | None = bridge
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        b, self.bridge = self.bridge, None
+        if b is not None:
+            b.abort(ConnectionLost("connection closed due to connection drain"))
+        return True
+
+
 class StreamBridge:
     """Copies one TCP socket <-> one HTTP/2 stream. Owns (and finally closes) the socket."""
 
@@ -274,9 +294,9 @@ class StreamBridge:
         self._writer_armed = False
         self._finished = False
         self._error: BaseException | None = None
-        # Resolved with ``error`` when the bridge finishes. HboneConnection.bridge awaits it
-        # directly, so cancelling that task cancels this future: _finished is the state.
-        self.done: asyncio.Future[BaseException | None] = conn.loop.create_future()
+        # Resolved with the bridge itself when it finishes (HboneConnection.bridge returns it);
+        # cancelled by the task awaiting it being cancelled, which aborts the bridge.
+        self.done = _BridgeDone(self, conn.loop)
 
     @property
     def error(self) -> BaseException | None:
@@ -309,8 +329,10 @@ class StreamBridge:
         self.conn._bridges.pop(self.stream_id, None)
         if self.conn.goaway:
             self.conn.loop.call_soon(self.conn.close_if_idle)
-        if not self.done.done():  # (cancelled with the task awaiting it)
-            self.done.set_result(error)
+        done = self.done
+        done.bridge = None  # (no cycle left behind)
+        if not done.done():  # (cancelled with the task awaiting it)
+            done.set_result(self)
 
     def abort(self, error: BaseException) -> None:
         """Connection-level failure or cancellation: reset the stream, drop the socket."""
@@ -1036,16 +1058,19 @@ class HboneConnection:
             if isinstance(ev, h2.DataReceived):
                 self.h2.acknowledge_received_data(stream_id, ev.flow_controlled_length)
 
-    async def bridge(
+    def bridge(
         self, stream_id: int, sock: socket.socket, counters: CopyCounters | None = None
-    ) -> StreamBridge:
+    ) -> asyncio.Future[StreamBridge]:
         """Copy between ``sock`` and the stream until both directions end; closes ``sock``.
 
-        The returned bridge carries the byte counts and ``error`` (None for a clean end)."""
+        Await the returned future for the bridge, which carries the byte counts and ``error``
+        (None for a clean end). Cancelling it (as cancelling the task awaiting it does) aborts
+        the bridge. A plain function, not a coroutine: an idle tunnelled connection holds no
+        coroutine frame here (memory per connection, issue 18)."""
         b = StreamBridge(self, stream_id, sock, counters)
         if self.closed.done():
             b._finish(ConnectionLost(f"HBONE connection is closed: {self.error}"))
-            return b
+            return b.done
         self._bridges[stream_id] = b
         early = self._early.pop(stream_id, ())
         b.start()
@@ -1058,12 +1083,7 @@ class HboneConnection:
                 b.on_reset(ev.error_code)
         if early:
             self.flush()
-        try:
-            await b.done  # (no shield: cancelling cancels b.done, and abort still runs)
-        except asyncio.CancelledError:
-            b.abort(ConnectionLost("connection closed due to connection drain"))
-            raise
-        return b
+        return b.done
 
 
 _MAX_IOV = 256  # DATA payloads per sendmsg (the kernel takes up to 1024 iovecs)

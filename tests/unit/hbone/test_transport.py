@@ -59,7 +59,7 @@ class Tunnel:
 
     app: socket.socket
     upstream: socket.socket
-    client_bridge: asyncio.Task[StreamBridge]
+    client_bridge: asyncio.Future[StreamBridge]
     server_bridge: asyncio.Future[StreamBridge]
 
 
@@ -70,7 +70,7 @@ class Pair:
     raw_client: socket.socket
     raw_server: socket.socket
     pending: list[asyncio.Future[tuple[int, socket.socket]]] = field(default_factory=list)
-    tasks: set[asyncio.Task[StreamBridge]] = field(default_factory=set)
+    tasks: set[asyncio.Future[StreamBridge]] = field(default_factory=set)
 
     async def tunnel(self) -> Tunnel:
         loop = asyncio.get_running_loop()
@@ -79,12 +79,12 @@ class Pair:
         app, proxy_in = tcp_pair()
         sid, resp = await self.client.open_stream("10.0.0.2:8080", [("forwarded", "for=x")])
         assert resp.status == 200
-        client_bridge = loop.create_task(self.client.bridge(sid, proxy_in))
+        client_bridge = asyncio.ensure_future(self.client.bridge(sid, proxy_in))
         _, upstream = await accepted
         server_bridge = self._server_bridges.pop(sid)
         return Tunnel(app, upstream, client_bridge, server_bridge)
 
-    _server_bridges: dict[int, asyncio.Task[StreamBridge]] = field(default_factory=dict)
+    _server_bridges: dict[int, asyncio.Future[StreamBridge]] = field(default_factory=dict)
 
 
 @contextlib.asynccontextmanager
@@ -93,7 +93,6 @@ async def hbone_pair(
     client_h2: dict[str, int] | None = None,
     server_h2: dict[str, int] | None = None,
 ) -> AsyncIterator[Pair]:
-    loop = asyncio.get_running_loop()
     tc, ts = tcp_pair()
     (cs, ci, co), (ss, si, so) = await asyncio.gather(
         tls_handshake(tc, contexts[0], server_side=False),
@@ -106,7 +105,7 @@ async def hbone_pair(
         assert ("forwarded", "for=x") in ev.headers
         proxy_out, upstream = tcp_pair()
         conn.respond(ev.stream_id, 200, [], end_stream=False)
-        task = loop.create_task(conn.bridge(ev.stream_id, proxy_out))
+        task = asyncio.ensure_future(conn.bridge(ev.stream_id, proxy_out))
         pair._server_bridges[ev.stream_id] = task
         pair.pending.pop(0).set_result((ev.stream_id, upstream))
 
@@ -490,6 +489,31 @@ async def test_cancelling_a_bridge_resets_its_stream_only(contexts) -> None:
         assert p.client.active_streams == 1
         for s in (t.app, t.upstream, other.app, other.upstream):
             s.close()
+
+
+@pytest.mark.both_loops
+async def test_cancelling_the_task_awaiting_a_bridge_aborts_it(contexts) -> None:
+    """The proxy's way (drain, policy re-check): the handler task awaiting the bridge is
+    cancelled; the bridge is aborted and leaves no reference cycle behind."""
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+
+        async def handler() -> StreamBridge:
+            return await t.client_bridge
+
+        task = asyncio.create_task(handler())
+        t.app.send(b"x")
+        assert await recv_exact(t.upstream, 1) == b"x"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert t.client_bridge.cancelled()
+        assert await recv_all(t.upstream) == b""  # the far side sees the stream end
+        assert (await t.server_bridge).error is None
+        assert p.client.active_streams == 0
+        assert t.client_bridge.bridge is None  # type: ignore[attr-defined]
+        t.app.close()
+        t.upstream.close()
 
 
 # --- hostile peers (issue 13) -------------------------------------------------------------
