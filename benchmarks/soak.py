@@ -2,7 +2,8 @@
 
 Usage: ``python benchmarks/soak.py [--quick] [--phase-seconds S] [--rest-seconds S]`` (root;
 ``make soak``; about 17 minutes by default, 8 with ``--quick``). Results:
-``benchmarks/results/soak.json`` and ``soak.md``.
+``benchmarks/results/soak.json`` and ``soak.md``. ``--at-rest`` only measures the PSS at rest of
+both beds (anonymous and file-backed), in about two minutes.
 
 Two test beds, one after the other:
 
@@ -85,6 +86,18 @@ def smaps_breakdown(pid: int) -> dict[str, int]:
                 )  # fmt: skip
             elif head and head[0] == "Rss:":
                 out[kind] += int(head[1])
+    return out
+
+
+def rest_detail(pid: int) -> dict[str, int]:
+    """The smaps_rollup fields that explain PSS at rest, KiB: anonymous (private to the process:
+    Python objects, heaps) and file-backed (libraries, shared with every process mapping them)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 2 and head[0] in ("Rss:", "Pss:", "Pss_Anon:", "Pss_File:"):
+                out[head[0][:-1]] = int(head[1])
     return out
 
 
@@ -341,6 +354,8 @@ def drive(args: argparse.Namespace) -> None:
     phases: list[dict[str, Any]] = []
     at_rest: dict[str, Any] = {}
     want = set(args.phase or ["hbone-churn", "plaintext-churn", "idle-2000", "xds-workload-churn"])
+    if args.at_rest:
+        return at_rest_only(args.loop, rest)
     started = time.monotonic()
     samples: dict[str, list[dict[str, Any]]] = {}
     if want - {"xds-workload-churn"}:
@@ -428,6 +443,22 @@ def drive(args: argparse.Namespace) -> None:
     print(md)
 
 
+def at_rest_only(loop: str, rest: float) -> None:
+    """``--at-rest``: only the PSS at rest of both beds (each ztunnel ``rest`` s after start),
+    with the anonymous/file split; printed as JSON, nothing written."""
+    doc: dict[str, Any] = {}
+    with data_bed(loop) as bed:
+        time.sleep(rest)
+        doc["dedicated"] = {f"ztunnel-{k}": rest_detail(bed["zts"][k].pid) for k in ("a", "b")}
+    from ztunnel.testing.xdsbed import MeshPod, xds_mesh
+
+    pods_spec = [MeshPod(f"p{i}", f"n{1 + i % 2}", f"sa-{i}") for i in range(6)]
+    with xds_mesh(pods_spec) as mesh:
+        time.sleep(rest)
+        doc["shared"] = {f"ztunnel-{n}": rest_detail(zt.pid) for n, zt in mesh.ztunnels.items()}
+    print(json.dumps(doc, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="60 s phases")
@@ -442,6 +473,9 @@ def main() -> None:
         action="append",
         choices=["hbone-churn", "plaintext-churn", "idle-2000", "xds-workload-churn"],
         help="run only these phases (repeatable)",
+    )
+    ap.add_argument(
+        "--at-rest", action="store_true", help="only PSS at rest of both beds (about 2 minutes)"
     )
     ap.add_argument("--procs", type=int, default=2, help="churn client processes")
     ap.add_argument("--batch", type=int, default=200, help="workloads per xDS push")
