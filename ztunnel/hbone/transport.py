@@ -295,8 +295,10 @@ class StreamBridge:
         self._finished = False
         self._error: BaseException | None = None
         # Resolved with the bridge itself when it finishes (HboneConnection.bridge returns it);
-        # cancelled by the task awaiting it being cancelled, which aborts the bridge.
-        self.done = _BridgeDone(self, conn.loop)
+        # cancelled by the task awaiting it being cancelled, which aborts the bridge. Dropped at
+        # the finish, so the future (holding the bridge as its result) and the bridge never
+        # form a cycle: a finished connection is freed by refcounting.
+        self.done: _BridgeDone | None = _BridgeDone(self, conn.loop)
 
     @property
     def error(self) -> BaseException | None:
@@ -329,10 +331,11 @@ class StreamBridge:
         self.conn._bridges.pop(self.stream_id, None)
         if self.conn.goaway:
             self.conn.loop.call_soon(self.conn.close_if_idle)
-        done = self.done
-        done.bridge = None  # (no cycle left behind)
-        if not done.done():  # (cancelled with the task awaiting it)
-            done.set_result(self)
+        done, self.done = self.done, None
+        if done is not None:
+            done.bridge = None
+            if not done.done():  # (cancelled with the task awaiting it)
+                done.set_result(self)
 
     def abort(self, error: BaseException) -> None:
         """Connection-level failure or cancellation: reset the stream, drop the socket."""
@@ -1068,9 +1071,11 @@ class HboneConnection:
         the bridge. A plain function, not a coroutine: an idle tunnelled connection holds no
         coroutine frame here (memory per connection, issue 18)."""
         b = StreamBridge(self, stream_id, sock, counters)
+        done = b.done
+        assert done is not None
         if self.closed.done():
             b._finish(ConnectionLost(f"HBONE connection is closed: {self.error}"))
-            return b.done
+            return done
         self._bridges[stream_id] = b
         early = self._early.pop(stream_id, ())
         b.start()
@@ -1083,7 +1088,7 @@ class HboneConnection:
                 b.on_reset(ev.error_code)
         if early:
             self.flush()
-        return b.done
+        return done
 
 
 _MAX_IOV = 256  # DATA payloads per sendmsg (the kernel takes up to 1024 iovecs)

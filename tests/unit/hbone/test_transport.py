@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import socket
 import ssl
@@ -23,6 +24,7 @@ from ztunnel.hbone.transport import (
     ConnectionLost,
     HboneConnection,
     StreamBridge,
+    _BridgeDone,
     release_scratch,
     tls_handshake,
 )
@@ -489,6 +491,37 @@ async def test_cancelling_a_bridge_resets_its_stream_only(contexts) -> None:
         assert p.client.active_streams == 1
         for s in (t.app, t.upstream, other.app, other.upstream):
             s.close()
+
+
+@pytest.mark.both_loops
+async def test_finished_bridges_are_freed_by_refcounting(contexts) -> None:
+    """No reference cycle per connection (issue 18): with the cyclic GC off, the bridges and
+    their futures of finished tunnels are gone once the caller drops them."""
+
+    def alive() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) in (StreamBridge, _BridgeDone))
+
+    gc.collect()
+    gc.disable()
+    try:
+        async with hbone_pair(contexts) as p:
+            for _ in range(5):
+                t = await p.tunnel()
+                t.app.send(b"x")
+                assert await recv_exact(t.upstream, 1) == b"x"
+                t.app.shutdown(socket.SHUT_WR)
+                assert await recv_all(t.upstream) == b""
+                t.upstream.shutdown(socket.SHUT_WR)
+                assert await recv_all(t.app) == b""
+                assert (await t.client_bridge).error is None
+                assert (await t.server_bridge).error is None
+                t.app.close()
+                t.upstream.close()
+                del t
+            await asyncio.sleep(0.05)
+            assert alive() == 0
+    finally:
+        gc.enable()
 
 
 @pytest.mark.both_loops
