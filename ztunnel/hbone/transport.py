@@ -906,6 +906,10 @@ class HboneConnection:
         if self._closing:
             return
         self._closing = True
+        # No request comes after this: drop the callback, which usually closes over this
+        # connection (the inbound handler's), so the pair is freed by refcounting rather than
+        # left, with its grown stream tables, for a full GC (issue 18).
+        self.on_request = None
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None

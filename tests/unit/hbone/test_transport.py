@@ -524,6 +524,26 @@ async def test_finished_bridges_are_freed_by_refcounting(contexts) -> None:
         gc.enable()
 
 
+async def test_closed_connections_are_freed_by_refcounting(contexts) -> None:
+    """The server's request callback closes over the pair here (as the inbound handler's does
+    over its connection): once closed, no connection is left for the cyclic GC (issue 18)."""
+    gc.collect()
+    gc.disable()
+    try:
+        async with hbone_pair(contexts) as p:
+            t = await p.tunnel()
+            t.app.send(b"x")
+            assert await recv_exact(t.upstream, 1) == b"x"
+            t.app.close()
+            t.upstream.close()
+            del t
+        del p
+        await asyncio.sleep(0.1)
+        assert sum(1 for o in gc.get_objects() if type(o) is HboneConnection) == 0
+    finally:
+        gc.enable()
+
+
 @pytest.mark.both_loops
 async def test_cancelling_the_task_awaiting_a_bridge_aborts_it(contexts) -> None:
     """The proxy's way (drain, policy re-check): the handler task awaiting the bridge is
