@@ -213,6 +213,7 @@ def main() -> int:
   name: client
   namespace: ns1
   serviceAccount: default
+  trustDomain: cluster.local
   workloadIps: ["{pod.ip4}"]
   protocol: HBONE
   node: n1

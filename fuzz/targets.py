@@ -18,6 +18,8 @@ import socket
 import ssl
 from collections.abc import Callable
 
+from hpack import Decoder
+
 from ztunnel.admin.http import HttpError, RequestParser
 from ztunnel.hbone import h2conn as h2
 from ztunnel.hbone.clienthello import NotClientHello, parse_client_hello
@@ -84,7 +86,7 @@ def hpack_block(data: bytes) -> None:
     if fast is None:
         return
     try:
-        slow = h2.Decoder(max_header_list_size=1 << 20).decode(data, raw=True)
+        slow = Decoder(max_header_list_size=1 << 20).decode(data, raw=True)
     except Exception:
         raise AssertionError("the fast path decoded a block the hpack library refuses") from None
     assert [(bytes(n), bytes(v)) for n, v in slow] == fast
@@ -177,8 +179,10 @@ def _driver_setup() -> tuple[asyncio.AbstractEventLoop, ssl.SSLContext, ssl.SSLC
         loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
         _DRIVER["loop"] = loop
         _DRIVER["errors"] = errors
-    cctx, sctx = _DRIVER["contexts"]  # type: ignore[misc]
-    return _DRIVER["loop"], cctx, sctx  # type: ignore[return-value]
+    contexts, driver_loop = _DRIVER["contexts"], _DRIVER["loop"]
+    assert isinstance(contexts, tuple) and isinstance(driver_loop, asyncio.AbstractEventLoop)
+    cctx, sctx = contexts
+    return driver_loop, cctx, sctx
 
 
 def _memory_handshake(

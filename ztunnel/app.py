@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -20,26 +19,27 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from ztunnel import __version__
+from ztunnel import __version__, logs
 from ztunnel.admin import AdminHandler, bind_admin
 from ztunnel.admin.admin import istio_version_from_env
 from ztunnel.admin.http import HttpServer
 from ztunnel.admin.logctl import LogControl
+from ztunnel.admin.profiling import Profiler
 from ztunnel.admin.readiness import Readiness, ReadinessHandler, ReadyToken
 from ztunnel.admin.stats import StatsHandler
-from ztunnel.config import Config, CopyMode, ProxyMode
+from ztunnel.config import Config, ProxyMode
 from ztunnel.core.addr import IPAddr, parse_ip
-from ztunnel.identity.crl import RELOAD_CHECK_INTERVAL as CRL_RELOAD_CHECK_INTERVAL
-from ztunnel.identity.crl import CrlError, CrlManager
+from ztunnel.dataplane import DataPlane, DataPlaneError, tls_policy
+from ztunnel.identity.crl import CrlManager
 from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
 from ztunnel.identity.tls import TlsPolicy
-from ztunnel.metrics import Family, Metrics, export_certificate_expiry, export_xds
+from ztunnel.metrics import Metrics, export_certificate_expiry, export_xds
 from ztunnel.net.copy import PipePool
-from ztunnel.proxy.instance import CompanionBuilder, ProxyInstance, instance_factory
+from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.model import TunnelProtocol, Workload
-from ztunnel.state.store import ChangeKind, State, StateChange
+from ztunnel.state.store import State
 
 # The control-plane libraries are imported where used (memory at rest, issue 18): grpclib and the
 # xDS/CA protobufs only when XDS_ADDRESS/CA_ADDRESS are set, the ZDS protobufs only in shared mode,
@@ -47,8 +47,9 @@ from ztunnel.state.store import ChangeKind, State, StateChange
 if TYPE_CHECKING:
     from ztunnel.identity.caclient import IstioCAClient
     from ztunnel.inpod.manager import InPodManager
-    from ztunnel.net.malloc import IdleTrimmer
     from ztunnel.state.localconfig import LocalConfig
+    from ztunnel.workers.supervisor import WorkerPool
+    from ztunnel.workers.zygote import Zygote
     from ztunnel.xds.client import AdsClient, StateUpdater
 
 log = logging.getLogger("ztunnel.app")
@@ -76,9 +77,12 @@ class App:
     readiness: Readiness = field(default_factory=Readiness)
     servers: list[HttpServer] = field(default_factory=list)
     local_config: LocalConfig | None = None
-    trimmer: IdleTrimmer | None = None
+    dataplane: DataPlane | None = None
+    # ZTUNNEL_WORKER_THREADS >= 2 and a zygote to fork workers from (the CLI makes one before
+    # the event loop starts): the data plane runs in worker processes; else in this one.
+    spawner: Zygote | None = None
+    workers: WorkerPool | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    _recheck_scheduled: bool = False
     _snapshot_done: bool = False
     _shutdown_done: asyncio.Event = field(default_factory=asyncio.Event)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -109,29 +113,8 @@ class App:
             len(local.policies),
         )
 
-    def _tls_policy(self) -> TlsPolicy:
-        """TLS12_ENABLED and CRL_PATH for every context built from our certificates."""
+    def _build_secrets(self, policy: TlsPolicy) -> SecretManager:
         cfg = self.config
-        crl = None
-        if cfg.crl_path is not None:
-            rejections = Family(
-                "istio_crl_policy_rejections",
-                "The total number of connections rejected due to CRL certificate revocation "
-                "(unstable)",
-                "counter",
-                ("reporter",),
-                registry=self.registry,
-            )
-            try:
-                crl = CrlManager(cfg.crl_path, on_reject=lambda r: rejections.labels(r).inc())
-            except CrlError as e:
-                raise StartupError(f"CRL_PATH: {e}") from None
-        self.crl = crl
-        return TlsPolicy(tls12=cfg.tls12_enabled, crl=crl)
-
-    def _build_secrets(self) -> SecretManager:
-        cfg = self.config
-        policy = self._tls_policy()
         if cfg.ca_address is not None:
             from ztunnel.identity.caclient import IstioCAClient
 
@@ -163,21 +146,27 @@ class App:
         log.info("effective config: %s", cfg.summary())
         proxy_ready = self.readiness.register("proxy")
         self.load_local_config()
-        if cfg.copy_mode is CopyMode.SPLICE:
-            self.pipes = PipePool()
-        self.secrets = self._build_secrets()
-        self.metrics = Metrics(
-            self.registry,
-            inpod=cfg.proxy_mode is ProxyMode.SHARED,
-            tag=istio_version_from_env(),
-            dns=cfg.dns_proxy,
+        try:
+            policy, self.crl = tls_policy(cfg, self.registry)
+        except DataPlaneError as e:
+            raise StartupError(str(e)) from None
+        self.secrets = self._build_secrets(policy)
+        dp = self.dataplane = DataPlane(
+            cfg, self.state, self.secrets, self.registry, crl=self.crl, tag=istio_version_from_env()
         )
+        self.metrics, self.policies, self.pipes = dp.metrics, dp.policies, dp.pipes
+        dp.instances = self._instances
         export_xds(self.registry, lambda: self.xds.metrics if self.xds is not None else None)
         export_certificate_expiry(
             self.registry, lambda: self.secrets.statuses() if self.secrets is not None else ()
         )
-        self.policies = PolicyIndex.from_state(self.state)
-        self.state.subscribe(self._on_state_change)
+        if self.spawner is not None and cfg.num_worker_threads > 1:
+            from ztunnel.workers.supervisor import WorkerPool
+
+            self.workers = WorkerPool(
+                cfg, self.state, self.secrets, self.spawner, self.readiness, self.registry
+            )
+            self.workers.attach(dp)
         self._bind_servers()
         if cfg.xds_address is not None:
             xds_ready = self.readiness.register("xds")
@@ -193,39 +182,17 @@ class App:
             log.info("xDS: connecting to %s", cfg.xds_address)
         for server in self.servers:
             await server.start()
-        self._spawn(self._flush_metrics_forever())
-        if (trim := cfg.malloc_trim_interval.total_seconds()) > 0:
-            from ztunnel.hbone.transport import release_scratch
-            from ztunnel.net.malloc import IdleTrimmer
+        if self.workers is not None:
+            from ztunnel.workers.supervisor import WorkerStartError
 
-            self.trimmer = IdleTrimmer(release=(release_scratch,))
-            if self.trimmer.available or self.trimmer.release:
-                self._spawn(self.trimmer.run(trim))
-        if self.crl is not None:
-            self._spawn(self._watch_crl(self.crl))
-        companions = self._dns_companions()
-        build = instance_factory(
-            cfg,
-            self.state,
-            self.secrets,
-            self.pipes,
-            metrics=self.metrics,
-            policies=self.policies,
-            companions=companions,
-        )
+            try:
+                await self.workers.start()
+            except WorkerStartError as e:
+                raise StartupError(str(e)) from None
+        dp.start(proxies=self.workers is None)  # (workers keep their own proxies in order)
         if cfg.proxy_mode is ProxyMode.DEDICATED:
             assert cfg.proxy_workload_info is not None
-            proxy = ProxyInstance(
-                cfg,
-                self.state,
-                self.secrets,
-                self.pipes,
-                cfg.proxy_workload_info,
-                extra_local_ips=self._instance_ips(),
-                metrics=self.metrics,
-                policies=self.policies,
-                companions=companions,
-            )
+            proxy = dp.build(cfg.proxy_workload_info, None, extra_local_ips=self._instance_ips())
             try:
                 proxy.bind()
             except OSError as e:
@@ -237,7 +204,9 @@ class App:
             from ztunnel.inpod.client import ZdsClient
             from ztunnel.inpod.manager import InPodManager
 
-            self.inpod = InPodManager(build, on_change=lambda: self._inpod_readiness(proxy_ready))
+            self.inpod = InPodManager(
+                dp.build, on_change=lambda: self._inpod_readiness(proxy_ready)
+            )
             client = ZdsClient(
                 str(cfg.inpod_uds),
                 self.inpod,
@@ -246,19 +215,6 @@ class App:
             )
             self._zds_task = asyncio.get_running_loop().create_task(client.run())
             log.info("in-pod mode: waiting for pods from the node agent at %s", cfg.inpod_uds)
-
-    def _dns_companions(self) -> CompanionBuilder | None:
-        """The DNS proxy beside every ProxyInstance (``ISTIO_META_DNS_CAPTURE``, on by default)."""
-        cfg = self.config
-        if not cfg.dns_proxy:
-            return None
-        from ztunnel.dns.forwarder import ResolvConfSource
-        from ztunnel.dns.server import dns_companions
-
-        dns_metrics = self.metrics.dns if self.metrics is not None else None
-        return dns_companions(
-            cfg, self.state, dns_metrics, ResolvConfSource(str(cfg.dns_resolv_conf))
-        )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -299,51 +255,15 @@ class App:
             return self.inpod.instances()
         return []
 
-    def _on_state_change(self, change: StateChange) -> None:
-        # Policies or a workload's policy list changed: re-check live inbound connections, once
-        # per burst of changes (an xDS response applies many at a time).
-        if change.kind is ChangeKind.SERVICE or self._recheck_scheduled:
-            return
-        self._recheck_scheduled = True
-        asyncio.get_running_loop().call_soon(self._recheck_policies)
-
-    def _recheck_policies(self) -> None:
-        self._recheck_scheduled = False
-        closed = sum(inst.recheck_policies() for inst in self._instances())
-        if closed:
-            log.info("policy change closed %d connection(s)", closed)
-
-    async def _flush_metrics_forever(self) -> None:
-        """Byte counters move during long connections, not only at close (every
-        ``ZTUNNEL_METRICS_FLUSH_INTERVAL``, 5 s by default)."""
-        interval = self.config.metrics_flush_interval.total_seconds()
-        while True:
-            await asyncio.sleep(interval)
-            for inst in self._instances():
-                inst.ctx.tracker.flush_metrics()
-
-    async def _watch_crl(self, crl: CrlManager) -> None:
-        """CRL_PATH: poll the file (one stat a second) and, when new CRLs are loaded, close the
-        live inbound connections whose peer is now revoked (Rust re-checks established
-        connections on reload). Handshakes check the file too, so a revocation is never missed
-        between polls."""
-        seen = crl.generation
-        while True:
-            await asyncio.sleep(CRL_RELOAD_CHECK_INTERVAL)
-            crl.maybe_reload()
-            if crl.generation == seen:
-                continue
-            seen = crl.generation
-            closed = sum(inst.inbound.close_revoked(crl) for inst in self._instances())
-            if closed:
-                log.warning("CRL reload: closed %d connection(s) with a revoked peer", closed)
-
     def _bind_servers(self) -> None:
         cfg = self.config
         wildcard = "::" if cfg.ipv6_enabled and socket.has_ipv6 else "0.0.0.0"
         try:
             if cfg.stats_port:
-                stats = StatsHandler(self.registry)
+                stats = StatsHandler(
+                    self.registry,
+                    gather=self.workers.scrape_registry if self.workers is not None else None,
+                )
                 self.servers.append(HttpServer.bind("stats", [(wildcard, cfg.stats_port)], stats))
             if cfg.readiness_port:
                 ready = ReadinessHandler(self.readiness)
@@ -361,12 +281,14 @@ class App:
                     extra={"workloadState": self._workload_state},
                     on_quit=self._quit,
                     quit_deadline=cfg.connection_termination_deadline.total_seconds() + 1,
-                    log_control=LogControl(cfg.rust_log),
+                    log_control=self._log_control(),
                     # The same PolicyIndex the proxy enforces with, so the answer is its decision.
                     explain=lambda q: explain_query(
                         self.state, q, policies=self.policies, network=cfg.network
                     ),
-                    live=lambda: [(i.name, i.ctx.tracker.live) for i in self._instances()],
+                    live=lambda: [(i.name, i.live_connections()) for i in self._instances()],
+                    profiler=Profiler(self.workers.profiles if self.workers is not None else None),
+                    refresh=self.workers.refresh_live if self.workers is not None else None,
                 )
                 self.servers.append(bind_admin(handler, port=cfg.admin_port, ipv6=cfg.ipv6_enabled))
         except OSError as e:
@@ -375,6 +297,17 @@ class App:
                     sock.close()
             self.servers.clear()
             raise StartupError(f"cannot bind the admin/stats/readiness servers: {e}") from None
+
+    def _log_control(self) -> LogControl:
+        pool = self.workers
+        if pool is None:
+            return LogControl(self.config.rust_log)
+
+        def apply(spec: str) -> None:
+            logs.apply_directives(spec)
+            pool.set_log_spec(spec)
+
+        return LogControl(self.config.rust_log, apply=apply)
 
     def _workload_state(self) -> dict[str, Any]:
         """``workloadState``: in-pod, every pod the node agent handed over, keyed by its uid (as
@@ -392,7 +325,7 @@ class App:
                         pod.info.namespace,
                         pod.info.service_account,
                         "Up" if inst is not None else "Pending",
-                        inst.ctx.tracker.live if inst is not None else None,
+                        inst.live_connections() if inst is not None else None,
                     )
                 )
         elif (inst := self.dedicated) is not None:
@@ -400,7 +333,9 @@ class App:
             key = wl.uid if wl is not None and wl.uid else inst.name
             i = inst.info
             views.append(
-                ProxyView(key, i.name, i.namespace, i.service_account, "Up", inst.ctx.tracker.live)
+                ProxyView(
+                    key, i.name, i.namespace, i.service_account, "Up", inst.live_connections()
+                )
             )
         return workload_state(views)  # type: ignore[no-any-return]
 
@@ -419,13 +354,19 @@ class App:
             stats["pending_proxies"] = self.inpod.pending
         # Objects the cyclic GC had to free so far: per-connection reference cycles show up here.
         stats["gc_collected"] = sum(g["collected"] for g in gc.get_stats())
-        if self.trimmer is not None:
-            stats["malloc_trims"] = self.trimmer.trims
-            stats["malloc_free_kib"] = self.trimmer.free_bytes() >> 10
-        if self.pipes is not None:
-            stats.update(
-                {f"pipes_{k}": v for k, v in dataclasses.asdict(self.pipes.stats()).items()}
-            )
+        if self.dataplane is not None:
+            stats.update(self.dataplane.runtime_stats())
+        if self.workers is not None:
+            stats.update(self.workers.runtime_stats())
+        return stats
+
+    async def total_runtime_stats(self) -> dict[str, int]:
+        """:meth:`runtime_stats`, with the workers' tasks, fds and connections added."""
+        stats = self.runtime_stats()
+        if self.workers is not None:
+            stats["connections"] = 0
+            for k, v in (await self.workers.stats()).items():
+                stats[k] = stats.get(k, 0) + v
         return stats
 
     def request_stop(self) -> None:
@@ -454,11 +395,13 @@ class App:
             log.warning(
                 "drain duration expired with %d pending connections, forcefully shutting down", cut
             )
+        if self.workers is not None:
+            await self.workers.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.policies is not None:
-            self.policies.close()
+        if self.dataplane is not None:
+            await self.dataplane.close()
         if self.secrets is not None:
             await self.secrets.close()
         if self.ca_client is not None:
@@ -466,8 +409,6 @@ class App:
         self._shutdown_done.set()
         for server in self.servers:
             await server.close()
-        if self.pipes is not None:
-            self.pipes.close()
         return cut
 
 

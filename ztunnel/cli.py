@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import gc
 import json
 import logging
 import os
@@ -25,9 +27,13 @@ import resource
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ztunnel import __version__
 from ztunnel.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from ztunnel.workers.zygote import Zygote
 
 log = logging.getLogger("ztunnel.cli")
 
@@ -151,10 +157,30 @@ def _raise_nofile_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-async def _run_proxy(config: Config) -> int:
+def _fork_zygote(config: Config, loop: str) -> Zygote | None:
+    """ZTUNNEL_WORKER_THREADS >= 2: the process workers are forked from, made now (before the
+    event loop and any socket) and after the data plane's imports, whose pages the supervisor
+    and every worker then share."""
+    if config.num_worker_threads < 2:
+        return None
+    import ztunnel.app
+    from ztunnel.workers import worker
+    from ztunnel.workers.zygote import Zygote
+
+    if config.dns_proxy:
+        import ztunnel.dns.server  # noqa: F401
+    if loop == "uvloop":
+        import uvloop  # noqa: F401
+    # The imported objects stay out of the collector from now on: its passes would write to
+    # every page holding one and unshare them (Python docs, gc.freeze).
+    gc.freeze()
+    return Zygote.fork(functools.partial(worker.main, loop=loop))
+
+
+async def _run_proxy(config: Config, zygote: Zygote | None = None) -> int:
     from ztunnel.app import App, StartupError
 
-    app = App(config)
+    app = App(config, spawner=zygote)
     loop = asyncio.get_running_loop()
     interrupts = 0
 
@@ -186,11 +212,21 @@ async def _run_proxy(config: Config) -> int:
 
 
 def _log_runtime_stats(app: object) -> None:
-    """SIGUSR1: log task, fd and connection counts (leak checks, debugging a live process)."""
+    """SIGUSR1: log task, fd and connection counts (leak checks, debugging a live process);
+    with data-plane workers, summed over every process."""
     from ztunnel.app import App
 
     assert isinstance(app, App)
-    log.info("runtime stats", extra={"fields": app.runtime_stats()})
+
+    async def report() -> None:
+        log.info("runtime stats", extra={"fields": await app.total_runtime_stats()})
+
+    task = asyncio.get_running_loop().create_task(report())
+    _reports.add(task)
+    task.add_done_callback(_reports.discard)
+
+
+_reports: set[asyncio.Task[None]] = set()
 
 
 def _help(topic: str | None) -> int:
@@ -256,5 +292,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ztunnel.net.malloc import tune_malloc
 
         tune_malloc()
+    zygote = _fork_zygote(config, args.loop)
     with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
-        return runner.run(_run_proxy(config))
+        return runner.run(_run_proxy(config, zygote))

@@ -8,9 +8,11 @@ Python-only knobs are prefixed ``ZTUNNEL_`` and documented in the README.
 from __future__ import annotations
 
 import enum
+import math
+import os
 import re
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -146,12 +148,15 @@ class Config:
     # lookups' preference after the client's namespace and canonical services), TLS12_ENABLED
     # (TLS 1.2 next to 1.3 on HBONE), CRL_PATH (peers checked against it), and from the mesh
     # config / PROXY_CONFIG: proxyMetadata (sent in the xDS node metadata) and concurrency
-    # (Rust's worker thread count; this port runs one event loop whatever it says).
+    # (one input of the worker count, below).
     prefered_service_namespace: str | None = None
     tls12_enabled: bool = False
     crl_path: Path | None = None
     proxy_metadata: tuple[tuple[str, str], ...] = ()
     concurrency: int | None = None
+    # Data-plane workers (Rust num_worker_threads, see worker_threads()): 1 runs everything in
+    # one process; N >= 2 runs N worker processes beside a control-plane supervisor.
+    num_worker_threads: int = 1
 
     # Observability (the *_port knobs are Python-only, ZTUNNEL_{ADMIN,STATS,READINESS}_PORT: two
     # ztunnels sharing one network namespace, as in tests, need different ones; 0 disables)
@@ -563,6 +568,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         crl_path=Path(crl) if (crl := e.get("CRL_PATH")) else None,
         proxy_metadata=pc.proxy_metadata,
         concurrency=pc.concurrency,
+        num_worker_threads=worker_threads(e.env, pc.concurrency),
         # ZTUNNEL_*_PORT (Python-only) first, then the mesh config's proxyAdminPort/statsPort.
         admin_port=e.integer(
             "ZTUNNEL_ADMIN_PORT",
@@ -636,3 +642,100 @@ def _validate_url(var: str, url: str) -> str:
     if not m or (m.group(3) is not None and not 0 < int(m.group(3)) < 65536):
         raise ConfigError(var, f"invalid address {url!r} (want https://host:port)")
     return url
+
+
+# --- data-plane worker count (Rust src/config.rs) -------------------------------------------------
+
+DEFAULT_WORKER_THREADS = 2
+DEFAULT_WORKER_THREAD_CPU_FRACTION = 0.25
+
+
+def available_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """Logical CPUs this process may use, capped by the cgroup v2 quota (what Rust's
+    ``num_cpus::get()`` answers)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = cpus or 1
+    try:
+        with open(cgroup_cpu_max) as f:
+            quota, _, period = f.read().strip().partition(" ")
+        if quota != "max" and period:
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def cpu_quantity(env: Mapping[str, str], name: str) -> int | None:
+    """Rust ``parse_cpu_quantity``: a Kubernetes CPU quantity ("2", "1.5", "500m") rounded up."""
+    raw = env.get(name)
+    if raw is None:
+        return None
+    try:
+        cores = float(raw[:-1]) / 1000 if raw.endswith("m") else float(raw)
+    except ValueError:
+        raise ConfigError(name, f"invalid CPU quantity {raw!r}") from None
+    if not math.isfinite(cores) or cores <= 0:
+        raise ConfigError(name, "must be a positive CPU quantity")
+    return math.ceil(cores)
+
+
+def cpu_count(env: Mapping[str, str], available: Callable[[], int] = available_cpus) -> int:
+    """Rust ``get_cpu_count``: ZTUNNEL_RESOURCE_CPU_LIMIT, else ZTUNNEL_CPU_LIMIT, else the CPUs
+    the process may use."""
+    limit = cpu_quantity(env, "ZTUNNEL_RESOURCE_CPU_LIMIT")
+    if limit is not None:
+        return limit
+    raw = env.get("ZTUNNEL_CPU_LIMIT")
+    if raw is not None:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ConfigError("ZTUNNEL_CPU_LIMIT", f"invalid number {raw!r}") from None
+        if n < 0:
+            raise ConfigError("ZTUNNEL_CPU_LIMIT", f"invalid number {raw!r}")
+        return n
+    return available()
+
+
+def worker_threads(
+    env: Mapping[str, str],
+    concurrency: int | None,
+    available: Callable[[], int] = available_cpus,
+) -> int:
+    """Rust ``num_worker_threads``: ``ZTUNNEL_WORKER_THREADS`` (N, 0 = all CPUs, or P%), else the
+    proxy config's ``concurrency`` (0 = all CPUs), else ``default_worker_threads``; at least 1."""
+
+    def cpus() -> int:
+        return cpu_count(env, available)
+
+    raw = env.get("ZTUNNEL_WORKER_THREADS")
+    if raw is not None:
+        name = "ZTUNNEL_WORKER_THREADS"
+        if raw.endswith("%"):
+            try:
+                percent = float(raw[:-1])
+            except ValueError as e:
+                raise ConfigError(name, f"invalid percentage: {e}") from None
+            if not 0 < percent <= 100:
+                raise ConfigError(name, "percentage must be between 0 and 100")
+            n = max(math.ceil(cpus() * percent / 100), 1)
+        else:
+            try:
+                n = int(raw)
+            except ValueError as e:
+                raise ConfigError(name, f"invalid number: {e}") from None
+            if n < 0:
+                raise ConfigError(name, f"invalid number: {raw!r}")
+            if n == 0:
+                n = cpus()
+    elif concurrency is not None:
+        n = concurrency if concurrency > 0 else cpus()
+    else:  # default_worker_threads
+        request = cpu_quantity(env, "ZTUNNEL_RESOURCE_CPU_REQUEST") or 0
+        limit = cpu_quantity(env, "ZTUNNEL_RESOURCE_CPU_LIMIT")
+        if limit is not None:
+            n = max(limit, request)
+        else:
+            fraction = math.ceil(cpus() * DEFAULT_WORKER_THREAD_CPU_FRACTION)
+            n = max(fraction, request, DEFAULT_WORKER_THREADS)
+    return max(n, 1)

@@ -1,7 +1,9 @@
 """CRL_PATH end to end: real ztunnels in network namespaces refuse a client whose certificate
 the CRL revokes, in the TLS handshake (alert certificate_revoked), with a log line and
-``istio_crl_policy_rejections_total``; the file is reloaded when it changes (Rust
-src/tls/crl.rs CrlManager, src/tls/revocation.rs verify_cert_chain)."""
+``istio_crl_policy_rejections_total``; the file is reloaded when it changes, and a reload closes
+live connections, inbound and outbound (pooled), whose verified chain it revokes, leaf or
+intermediate (Rust src/tls/crl.rs CrlManager, src/tls/revocation.rs verify_cert_chain and
+RevocationIndex)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from ztunnel.core.identity import Identity
 from ztunnel.identity.certs import WorkloadCertificate
-from ztunnel.testing.apps import echo_roundtrip, start_app
-from ztunnel.testing.certs import revocation_list
+from ztunnel.testing.apps import connect_from, echo_roundtrip, recv_line, start_app
+from ztunnel.testing.certs import intermediate_ca, issue_via, revocation_list
 from ztunnel.testing.hbone import HboneClient, HboneClosed, Mesh, mesh
 from ztunnel.testing.xdsbed import http_get, metric
 
@@ -70,9 +73,9 @@ class Bed:
         finally:
             c.close()
 
-    def rejections(self) -> float:
-        _, text = http_get(self.m.b, STATS, "/stats/prometheus")
-        return metric(text, "istio_crl_policy_rejections_total", reporter="destination")
+    def rejections(self, pod: str = "b", reporter: str = "destination") -> float:
+        _, text = http_get(self.m.pods[pod], STATS, "/stats/prometheus")
+        return metric(text, "istio_crl_policy_rejections_total", reporter=reporter)
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +156,114 @@ def test_live_connection_closed_when_its_peer_is_revoked(bed: Bed) -> None:
         assert fine.read_to_end(ok) == b"still here\n"
     assert bed.rejections() >= before + 1
     bed.write_crl(revocation_list(m.ca, [], number=12))
+
+
+def echo_ok(m: Mesh) -> bool:
+    """Pod a -> b's echo through both ztunnels (pooled HBONE) works."""
+    try:
+        return echo_roundtrip(m.a, m.b.ip4, ECHO) == b"hello\n"
+    except OSError:
+        return False
+
+
+def test_revoked_intermediate_refused_in_the_handshake(bed: Bed) -> None:
+    """RevocationCheckDepth::Chain: a leaf that is not revoked itself is refused when the CRL of
+    the root revokes the intermediate that issued it."""
+    m = bed.m
+    inter = intermediate_ca(m.ca)
+    client = issue_via(m.ca, inter, TESTER)
+    bed.write_crl(revocation_list(m.ca, [], number=20))
+    wait_for(lambda: bed.attempt(client) == "ok")
+    before = bed.rejections()
+    bed.write_crl(revocation_list(m.ca, [inter.root_cert.serial_number], number=21))
+    wait_for(lambda: bed.attempt(client) != "ok")
+    why = bed.attempt(client)
+    assert "alert certificate revoked" in why, why
+    assert bed.attempt(bed.good) == "ok"  # a leaf of the root itself is fine
+    assert bed.rejections() >= before + 2
+    bed.write_crl(revocation_list(m.ca, [], number=22))
+
+
+def test_live_connection_closed_when_its_peers_intermediate_is_revoked(bed: Bed) -> None:
+    """The reload re-checks the chain each connection's handshake verified (Rust
+    ConnRegistration / chain_is_revoked): revoking the intermediate closes a live connection
+    from one of its leaves; a connection from a leaf of the root lives on."""
+    m = bed.m
+    assert m.ext is not None
+    inter = intermediate_ca(m.ca)
+    victim = issue_via(m.ca, inter, TESTER)
+    bed.write_crl(revocation_list(m.ca, [], number=30))
+    wait_for(lambda: bed.attempt(victim) == "ok")
+    since = len(m.ztb.records)
+    before = bed.rejections()
+    with (
+        HboneClient.connect(m.ext, m.b.ip4, cert=victim, roots_pem=m.ca.root_pem) as doomed,
+        HboneClient.connect(m.ext, m.b.ip4, cert=bed.good, roots_pem=m.ca.root_pem) as fine,
+    ):
+        sid = doomed.connect_stream(f"{m.b.ip4}:{ECHO}")
+        doomed.send(sid, b"before\n")
+        assert doomed.read(sid, 7) == b"before\n"
+        ok = fine.connect_stream(f"{m.b.ip4}:{ECHO}")
+        bed.write_crl(revocation_list(m.ca, [inter.root_cert.serial_number], number=31))
+        why = doomed.wait_closed(timeout=10)
+        assert why, why
+        rec = m.ztb.wait_for(
+            lambda r: (
+                r.get("message") == "connection complete"
+                and "certificate revoked" in str(r.get("error", ""))
+            ),
+            10,
+            start=since,
+        )
+        assert rec["src.identity"] == str(TESTER)
+        fine.send(ok, b"still here\n", end_stream=True)
+        assert fine.read_to_end(ok) == b"still here\n"
+    assert bed.rejections() >= before + 1
+    bed.write_crl(revocation_list(m.ca, [], number=32))
+
+
+def test_pooled_outbound_connection_closed_when_the_server_is_revoked(bed: Bed) -> None:
+    """Outbound too (Rust pool.rs registers each pooled connection; h2 client tears the tunnel
+    down on revocation): pod a's app holds a connection to b through ztunnel-a's pooled HBONE
+    connection; revoking ztunnel-b's certificate makes ztunnel-a close that pooled connection
+    (its stream logged with ``certificate revoked``, counted with reporter source), and a new
+    connection to b is refused in ztunnel-a's handshake."""
+    m = bed.m
+    assert m.ext is not None
+    bed.write_crl(revocation_list(m.ca, [], number=40))
+    wait_for(lambda: echo_ok(m))
+    with HboneClient.connect(m.ext, m.b.ip4, cert=bed.good, roots_pem=m.ca.root_pem) as probe:
+        server_serial = x509.load_der_x509_certificate(probe.peer_der).serial_number
+    since = len(m.zta.records)
+    before = bed.rejections("a", "source")
+    with connect_from(m.a, m.b.ip4, ECHO, timeout=10) as app:
+        app.sendall(b"before\n")
+        assert recv_line(app) == "before"
+        bed.write_crl(revocation_list(m.ca, [server_serial], number=41))
+        try:
+            rest = app.recv(100)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b"", rest
+    rec = m.zta.wait_for(
+        lambda r: (
+            r.get("message") == "connection complete"
+            and "certificate revoked" in str(r.get("error", ""))
+        ),
+        10,
+        start=since,
+    )
+    assert rec["dst.identity"].endswith("/sa/sa-b"), rec
+    assert bed.rejections("a", "source") >= before + 1
+    # A new connection dials again and is refused in ztunnel-a's handshake.
+    with connect_from(m.a, m.b.ip4, ECHO, timeout=10) as app:
+        app.sendall(b"after\n")
+        try:
+            got = app.recv(100)
+        except ConnectionResetError:
+            got = b""
+        assert got == b""
+    m.zta.wait_for(lambda r: "revoked" in " ".join(map(str, r.values())), 10, start=since)
+    assert bed.rejections("a", "source") >= before + 2
+    bed.write_crl(revocation_list(m.ca, [], number=42))
+    wait_for(lambda: echo_ok(m))

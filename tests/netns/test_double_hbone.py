@@ -11,14 +11,18 @@ name ``remote.default.svc.cluster.local:8080``; the inner one carries ``x-forwar
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
 
 from ztunnel.testing.apps import connect_from, recv_all
+from ztunnel.testing.certs import revocation_list
 from ztunnel.testing.hbone import (
     TRUST_DOMAIN,
     Mesh,
@@ -68,11 +72,13 @@ def config(pods: dict[str, Pod]) -> str:
         # the local view of the remote workload: no IP of its own, only its gateway
         + "- uid: cluster1//v1/Pod/default/local-remote-workload\n"
         + "  name: local-remote-workload\n  namespace: default\n"
-        + "  serviceAccount: actual-ew-gtw\n  network: remote\n  protocol: HBONE\n"
+        + "  serviceAccount: actual-ew-gtw\n  trustDomain: cluster.local\n"
+        + "  network: remote\n  protocol: HBONE\n"
         + f'  networkGateway: {{destination: "remote/{gw.ip4}", hboneMtlsPort: 15008}}\n'
         + f'  services:\n    "default/{REMOTE_HOSTNAME}": {{8080: 8080}}\n'
         + "- uid: cluster1//v1/Pod/default/local-remote-workload-svc-gtw\n"
         + "  name: local-remote-workload-svc-gtw\n  namespace: default\n"
+        + "  serviceAccount: default\n  trustDomain: cluster.local\n"
         + "  network: remote\n  protocol: HBONE\n"
         + f"  networkGateway: {{destination: {{namespace: default, hostname: {GW_SVC_HOSTNAME}}},"
         + " hboneMtlsPort: 15009}\n"
@@ -94,6 +100,7 @@ class Bed:
     m: Mesh
     gateway: NsProcess
     echo: NsProcess
+    crl: Path  # ztunnel-a's CRL_PATH (absent until a test writes it)
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +110,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         PodSpec("gw", "n2", service_account=None, ztunnel=None, inpod_rules=False),
         PodSpec("echo", "n2", service_account=None, ztunnel=None, inpod_rules=False),
     ]
+    crl = certs / "crl.pem"
     with mesh(
-        extra_env={"POOL_UNUSED_RELEASE_TIMEOUT": "200ms"},
+        extra_env={"POOL_UNUSED_RELEASE_TIMEOUT": "200ms", "CRL_PATH": str(crl)},
         extra_pods=extra,
         start_b=False,
         config=config,
@@ -116,7 +124,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         with connect_from(m.a, REMOTE_VIP, 8080, timeout=10) as s:
             s.shutdown(1)
             assert recv_all(s, timeout=10) == MESSAGE
-        yield Bed(m, gateway, echo)
+        yield Bed(m, gateway, echo, crl)
         gateway.stop()
         echo.stop()
 
@@ -234,3 +242,62 @@ def test_double_hbone_inner_identity_is_checked(bed: Bed, tmp_path: Path) -> Non
     finally:
         impostor.stop()
         bed.echo = start_echo(bed.m, tmp_path)
+
+
+def test_inner_connection_closed_when_the_destination_is_revoked(bed: Bed) -> None:
+    """A CRL reload re-checks the inner connections of double HBONE too (Rust
+    proxy_to_double_hbone registers the inner TLS connection with the CrlManager): revoking the
+    destination's certificate closes a live inner tunnel, its connection logged with
+    ``certificate revoked``; the gateway's certificate is not revoked, so the pooled outer
+    connection stays, and once the CRL no longer lists the destination it is reached again."""
+    m = bed.m
+    bed.echo.stop()  # (an earlier test may have restarted it with certificates elsewhere)
+    bed.echo = start_echo(m, bed.crl.parent)
+    echo_pem = (bed.crl.parent / "echo.crt").read_bytes()
+    echo_serial = x509.load_pem_x509_certificate(echo_pem).serial_number
+
+    def write(data: bytes) -> None:
+        tmp = bed.crl.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, bed.crl)
+
+    write(revocation_list(m.ca, [], number=1))
+    since = len(m.zta.records)
+    with connect_from(m.a, REMOTE_VIP, 8080, timeout=10) as s:
+        s.settimeout(10)
+        got = b""
+        while len(got) < len(MESSAGE):
+            got += s.recv(100)
+        assert got == MESSAGE
+        write(revocation_list(m.ca, [echo_serial], number=2))
+        try:
+            rest = s.recv(100)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""
+    rec = m.zta.wait_for(
+        lambda r: (
+            r.get("message") == "connection complete"
+            and "certificate revoked" in str(r.get("error", ""))
+        ),
+        start=since,
+    )
+    assert rec["dst.identity"] == SA_ECHO, rec
+    outer = [
+        c
+        for c in m.zta.records[since:]
+        if "revoked" in str(c.get("message", "")) and "sa/actual-ew-gtw" in str(c)
+    ]
+    assert not outer, outer  # the gateway's connection was not refused
+    write(revocation_list(m.ca, [], number=3))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with connect_from(m.a, REMOTE_VIP, 8080, timeout=10) as s:
+                s.shutdown(1)
+                if recv_all(s, timeout=10) == MESSAGE:
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "not reachable again after the CRL changed back"
+        time.sleep(0.3)

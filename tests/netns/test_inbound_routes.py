@@ -58,6 +58,7 @@ def config(pods: dict[str, Pod]) -> str:
     def server(name: str, ip: str, waypoint: Pod) -> str:
         return (
             f"- uid: cluster1//v1/Pod/default/{name}\n  name: {name}\n  namespace: default\n"
+            "  trustDomain: cluster.local\n  serviceAccount: default\n"
             f'  workloadIps: ["{ip}"]\n  protocol: HBONE\n'
             f'  waypoint: {{destination: "/{waypoint.ip4}", hboneMtlsPort: 15008}}\n'
         )
@@ -73,6 +74,7 @@ def config(pods: dict[str, Pod]) -> str:
         + workload_yaml(wpp, "wpp", applicationTunnel=f"{{protocol: PROXY, port: {PROXY_PORT}}}")
         # the external host as a workload, for the origin-network test
         + "- uid: cluster1//v1/Pod/default/ext-wl\n  name: ext-wl\n  namespace: default\n"
+        + "  trustDomain: cluster.local\n  serviceAccount: default\n"
         + f'  workloadIps: ["{EXT_IP}"]\n  protocol: HBONE\n'
         + server("srv-plain", SRV_PLAIN, wp)
         + server("srv-proxy", SRV_PROXY, wpp)

@@ -274,10 +274,11 @@ def test_bad_input_is_rejected_and_other_pods_keep_working() -> None:
             assert echo_through(cl.c1, cl.s1, 8080) == "hi", i
         after = settled(z1)
         assert after["proxies"] == 1
-        # fds that came with bad messages were closed: nothing grew but idle pooled pipes.
+        # fds that came with bad messages were closed: nothing grew but idle pooled pipes (and,
+        # with several workers, the pooled HBONE connection of a worker that had none yet).
         assert after["fds"] - 2 * after.get("pipes_idle", 0) <= base["fds"] - 2 * base.get(
             "pipes_idle", 0
-        )
+        ) + (z1.workers - 1)
 
 
 def test_nack_when_listeners_cannot_bind_then_retry() -> None:
@@ -299,3 +300,52 @@ def test_nack_when_listeners_cannot_bind_then_retry() -> None:
         while not listening(cl.c1, 15008) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert listening(cl.c1, 15008)
+
+
+def test_a_killed_worker_comes_back_serving_every_pod() -> None:
+    """Two data-plane workers (whatever the suite's count): one is killed with SIGKILL; the
+    other keeps both pods served, and the one forked in its place gets every pod's listeners
+    and the state again and accepts from them."""
+    import json
+    import re
+    import signal
+
+    from ztunnel.testing.xdsbed import http_get
+
+    with cluster() as cl:
+        cl.env["ZTUNNEL_WORKER_THREADS"] = "2"
+        _a1, z1, _z2 = cl.start(cl.c2)
+        z1.expected_errors.append("exited; restarting it")
+        victim = z1.data_plane_pids()[0]
+        since = len(z1.records)
+        os.kill(victim, signal.SIGKILL)
+        assert echo_through(cl.c1, cl.s1, 8080) == "hi"  # the other worker serves meanwhile
+        z1.wait_for(
+            lambda r: (
+                re.fullmatch(r"worker \d+ ready \(pid \d+\)", r.get("message", "")) is not None
+            ),
+            15,
+            start=since,
+        )
+        assert victim not in z1.data_plane_pids()
+        held = []
+        try:
+            for pod in (cl.c1, cl.c2):
+                for i in range(20):
+                    s = connect_from(pod, cl.s1.ip4, 8080, timeout=5).__enter__()
+                    s.sendall(f"{pod.name} {i}\n".encode())
+                    assert recv_line(s) == f"{pod.name} {i}"
+                    held.append(s)
+            status, body = http_get(cl.n1, 15000, "/debug/connections")
+            assert status == 200
+            rows = json.loads(body)["connections"]
+            owners: dict[str, set[str]] = {}
+            for r in rows:
+                target = r["hboneAddr"] or r["originalDst"] or r["dst"]
+                if r["direction"] == "outbound" and target.endswith(":8080"):
+                    owners.setdefault(r["proxy"], set()).add(r["id"].split("-")[0])
+            # Both pods' listeners are served by both workers, the new one included.
+            assert owners == {"default/c1": {"w0", "w1"}, "default/c2": {"w0", "w1"}}, owners
+        finally:
+            for s in held:
+                s.close()

@@ -1295,7 +1295,15 @@ def test_graceful_drain_handover_goaway_and_exit_codes() -> None:
     with two_pods() as (_tb, a, b, ca_dir, _ca):
         cfg = mesh_yaml(a, b)
         env = mesh_env(ca_dir, cfg, CONNECTION_TERMINATION_DEADLINE=f"{DEADLINE:g}s")
-        env_a = {**env, "PROXY_WORKLOAD_INFO": "default/a/sa-a", "NODE_NAME": "n1"}
+        # ztunnel-a (the client's, not under test) runs one worker: the two early connections
+        # then surely share the one pooled connection to the old ztunnel (each worker pools
+        # its own). The ztunnels under test, old and new, run the suite's worker count.
+        env_a = {
+            **env,
+            "PROXY_WORKLOAD_INFO": "default/a/sa-a",
+            "NODE_NAME": "n1",
+            "ZTUNNEL_WORKER_THREADS": "1",
+        }
         env_b = {**env, "PROXY_WORKLOAD_INFO": "default/b/sa-b", "NODE_NAME": "n2"}
         zta, old = ZtunnelProcess(a, env_a), ZtunnelProcess(b, env_b)
         new = ZtunnelProcess(b, {**env_b, **ALT_PORTS})

@@ -37,6 +37,7 @@ def test_sandbox_runs_end_to_end() -> None:
     assert "sa/sleep dst.identity=spiffe://cluster.local/ns/default/sa/waypoint" in out, out
     assert "src.identity=spiffe://cluster.local/ns/default/sa/waypoint dst.identity" in out, out
     assert "ztunnel exit codes: {'node1': 0, 'node2': 0}" in out, out
-    # nothing left behind (other beds may come and go meanwhile: look for the sandbox's hosts)
-    names = ("-sleep", "-legacy", "-echo", "-waypoint", "-outside", "-node1", "-node2")
-    assert not {n for n in set(list_netns()) - before if n.endswith(names)}
+    # nothing left behind (other beds, even other sandboxes, may come and go meanwhile: look
+    # for this sandbox's own namespaces, by its bed's tag)
+    (bed,) = [ln.split()[-1] for ln in out.splitlines() if ln.startswith("test bed ztb")]
+    assert not {n for n in set(list_netns()) - before if n.startswith(bed + "-")}

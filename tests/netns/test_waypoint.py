@@ -59,6 +59,7 @@ def _server(name: str, ip: str, waypoint: str) -> str:
         f"  name: {name}\n"
         "  namespace: default\n"
         f"  serviceAccount: {name}\n"
+        "  trustDomain: cluster.local\n"
         f'  workloadIps: ["{ip}"]\n'
         "  protocol: HBONE\n"
         f"  waypoint: {waypoint}\n"

@@ -170,3 +170,25 @@ async def test_batching_handler_writes_are_pipe_atomic() -> None:
     await asyncio.sleep(0)
     assert max(sizes) <= logs.PIPE_BUF and sum(sizes) == 101 * 1000
     assert stream.getvalue().splitlines()[999] == "0999 " + "y" * 95
+
+
+def test_rate_limited_log_says_how_many_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    from ztunnel.logs import RateLimitedLog
+
+    clock = [100.0]
+    limited = RateLimitedLog(
+        logging.getLogger("ztunnel.test.ratelimit"), interval=10.0, clock=lambda: clock[0]
+    )
+    with caplog.at_level(logging.WARNING, logger="ztunnel.test.ratelimit"):
+        assert limited.warning("k", "bad input from %s", "a")
+        assert not limited.warning("k", "bad input from %s", "b")
+        assert not limited.warning("k", "bad input from %s", "c")
+        assert limited.warning("other", "another kind")
+        clock[0] += 11
+        assert limited.warning("k", "bad input from %s", "d")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "bad input from a",
+        "another kind",
+        "bad input from d (2 more like this in the last 10s)",
+    ]

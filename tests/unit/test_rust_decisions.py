@@ -485,6 +485,65 @@ def test_file_workload_without_cluster_id_is_empty() -> None:
     assert isinstance(w, Workload) and w.cluster_id == "Kubernetes"
 
 
+# --- row: local config defaults (trustDomain, serviceAccount, workloadType) -------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "identity", "workload_type", "dumped"),
+    [
+        # Rust src/xds.rs LocalWorkload flattens src/state/workload.rs Workload, whose
+        # trust_domain, service_account and workload_type are #[serde(default)] Strng: omitted
+        # means "", never the xDS conversion's cluster.local / default / deployment. The
+        # identity is then spiffe://<td>/ns/<ns>/sa/<sa> with empty parts (Identity Display).
+        ("", "spiffe:///ns/ns/sa/", "", {}),
+        ("serviceAccount: sa", "spiffe:///ns/ns/sa/sa", "", {"serviceAccount": "sa"}),
+        ("trustDomain: td", "spiffe://td/ns/ns/sa/", "", {"trustDomain": "td"}),
+        # Free strings, shown as given (admin config_dump serializes the Strng); skipped when
+        # empty (skip_serializing_if = "is_default").
+        ("workloadType: statefulset", "spiffe:///ns/ns/sa/", "statefulset", {}),
+        ("workloadType: Pod", "spiffe:///ns/ns/sa/", "Pod", {}),
+    ],
+)
+def test_file_workload_defaults_are_rusts_serde_defaults(
+    fields: str, identity: str, workload_type: str, dumped: dict[str, str]
+) -> None:
+    from ztunnel.admin.config_dump import workload as workload_json
+
+    text = "workloads:\n- namespace: ns\n  name: a\n" + (f"  {fields}\n" if fields else "")
+    (w,) = load_local_config(text).workloads
+    assert str(w.identity) == identity
+    assert w.workload_type == workload_type
+    out = workload_json(w)
+    for key in ("trustDomain", "serviceAccount"):
+        assert out.get(key) == dumped.get(key)
+    assert out.get("workloadType") == (workload_type or None)
+    # Rust Identity::from_str (src/identity/manager.rs) takes the empty parts back.
+    assert Identity.parse(identity) == w.identity
+
+
+def test_xds_workload_keeps_the_conversion_defaults() -> None:
+    # Rust Workload::try_from(XdsWorkload): "" -> cluster.local / default, and workload_type()
+    # .as_str_name().to_lowercase() (an unknown number is the enum default, deployment).
+    w = decode_address(pod("a", "ns").SerializeToString())
+    assert isinstance(w, Workload)
+    assert (str(w.identity), w.workload_type) == (
+        "spiffe://cluster.local/ns/ns/sa/default",
+        "deployment",
+    )
+
+
+def test_baggage_carries_the_file_workload_type_as_is() -> None:
+    # Rust baggage_header_val formats k8s.{workload_type}.name with the string as it is.
+    from ztunnel.hbone.headers import baggage
+
+    (w,) = load_local_config(
+        "workloads:\n- {namespace: ns, name: a, workloadName: a, workloadType: statefulset}\n"
+    ).workloads
+    assert "k8s.statefulset.name=a" in baggage(w).split(",")
+    (w,) = load_local_config("workloads:\n- {namespace: ns, name: a, workloadName: a}\n").workloads
+    assert "k8s..name=a" in baggage(w).split(",")
+
+
 # --- row: authorization policy key ------------------------------------------------------------------
 
 

@@ -181,6 +181,7 @@ class AdminHandler:
         log_control: LogControl | None = None,
         explain: ExplainFn | None = None,
         live: Callable[[], Iterable[tuple[str, Iterable[live_view.LiveConnection]]]] = lambda: (),
+        refresh: Callable[[], Awaitable[None]] | None = None,
         profiler: profiling.Profiler | None = None,
     ) -> None:
         self.state = state
@@ -194,6 +195,9 @@ class AdminHandler:
         self.log_control = log_control
         self.explain = explain
         self.live = live
+        # Awaited before the views of live connections are read (data-plane workers report
+        # theirs on request).
+        self.refresh = refresh
         self.profiler = profiler or profiling.Profiler()
         self._quitting: asyncio.Task[None] | None = None
 
@@ -203,6 +207,8 @@ class AdminHandler:
             return self._get_only(req) or Response(
                 200, index_page().encode(), "text/html; charset=utf-8"
             )
+        if path in ("/config_dump", "/debug/connections") and self.refresh is not None:
+            await self.refresh()
         if path == "/config_dump":
             return self._get_only(req) or self.config_dump()
         if path == "/quitquitquit":

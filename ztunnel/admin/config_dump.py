@@ -132,7 +132,7 @@ def workload(w: Workload, *, port_maps: bool = False) -> JSON:
         ("serviceAccount", w.service_account),
         ("network", w.network),
         ("workloadName", w.workload_name),
-        ("workloadType", w.workload_type.name.lower()),
+        ("workloadType", w.workload_type),
         ("canonicalName", w.canonical_name),
         ("canonicalRevision", w.canonical_revision),
         ("hostname", w.hostname),

@@ -53,6 +53,11 @@ def _name(w: Workload | None) -> str | None:
     return f"{w.namespace}/{w.name}" if w is not None else None
 
 
+def row_id(rec: LiveConnection, prefix: str = "") -> str:
+    """Stable for the connection's life, unique in the process (``prefix``: across workers)."""
+    return f"{prefix}{id(rec):x}-{int(rec.started * 1e6):x}"
+
+
 def row(proxy: str, rec: LiveConnection, now: float) -> dict[str, Any]:
     """One connection. ``id`` is stable for the connection's life (for rates between polls);
     ``bytesSent``/``bytesRecv`` are from the local pod's side, as the access log counts them."""
@@ -61,7 +66,7 @@ def row(proxy: str, rec: LiveConnection, now: float) -> dict[str, Any]:
     if dst_identity is None and rec.mtls and rec.dst_workload is not None:
         dst_identity = rec.dst_workload.identity
     return {
-        "id": f"{id(rec):x}-{int(rec.started * 1e6):x}",
+        "id": getattr(rec, "row_id", None) or row_id(rec),
         "proxy": proxy,
         "direction": rec.direction,
         "protocol": "DOUBLEHBONE" if rec.double_hbone else "HBONE" if rec.mtls else "TCP",

@@ -28,7 +28,7 @@ import gzip
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -67,6 +67,13 @@ class CpuProfile:
     def add(self, stack: Stack, cpu_ns: int) -> None:
         self.cpu_ns[stack] = self.cpu_ns.get(stack, 0) + cpu_ns
         self.samples[stack] = self.samples.get(stack, 0) + 1
+
+    def merge(self, other: CpuProfile) -> None:
+        """Add another process's profile of the same period (data-plane workers)."""
+        for stack, ns in other.cpu_ns.items():
+            self.cpu_ns[stack] = self.cpu_ns.get(stack, 0) + ns
+        for stack, n in other.samples.items():
+            self.samples[stack] = self.samples.get(stack, 0) + n
 
 
 def _stack(frame: FrameType | None) -> Stack:
@@ -121,9 +128,14 @@ class _Sampler:
 class Profiler:
     """The admin's profiling state: at most one CPU profile at a time."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, others: Callable[[float, int], Awaitable[list[CpuProfile]]] | None = None
+    ) -> None:
         self._busy = False
         self._heap_owned = False  # we started tracemalloc for a one-shot heap request
+        # The data-plane workers' profiles of the same period, merged into ours (one view of
+        # the whole ztunnel, as Rust's profile covers all its threads).
+        self.others = others
 
     async def cpu(self, seconds: float, frequency: int) -> CpuProfile:
         if self._busy:
@@ -132,11 +144,17 @@ class Profiler:
         sampler = _Sampler(frequency)
         sampler.thread.start()
         try:
-            await asyncio.sleep(seconds)
+            if self.others is not None:
+                others = await self.others(seconds, frequency)
+            else:
+                others = []
+                await asyncio.sleep(seconds)
         finally:
             sampler.stop.set()
             await asyncio.get_running_loop().run_in_executor(None, sampler.thread.join)
             self._busy = False
+        for other in others:
+            sampler.profile.merge(other)
         return sampler.profile
 
     # -- heap ---------------------------------------------------------------------------------

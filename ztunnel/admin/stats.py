@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from prometheus_client import CollectorRegistry
@@ -89,17 +90,26 @@ class StatsHandler:
     registries, tests). See benchmarks/bench_metrics.py.
     """
 
-    def __init__(self, registry: CollectorRegistry, *, mode: RenderMode = "cooperative") -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        mode: RenderMode = "cooperative",
+        gather: Callable[[], Awaitable[CollectorRegistry]] | None = None,
+    ) -> None:
         self.registry = registry
         self.mode = mode
+        # With data-plane workers: the registry of one scrape, their series added.
+        self.gather = gather
         self._lock = asyncio.Lock()  # one encode at a time
 
     async def _render(self, om: bool, compress: bool) -> tuple[list[bytes], bool]:
+        registry = self.registry if self.gather is None else await self.gather()
         if self.mode == "cooperative":
-            return await render_cooperative(self.registry, om, compress)
+            return await render_cooperative(registry, om, compress)
         if self.mode == "thread":
-            return await asyncio.to_thread(render_sync, self.registry, om, compress, yield_gil=True)
-        return render_sync(self.registry, om, compress)
+            return await asyncio.to_thread(render_sync, registry, om, compress, yield_gil=True)
+        return render_sync(registry, om, compress)
 
     async def __call__(self, req: Request) -> Response:
         if req.path not in METRICS_PATHS:

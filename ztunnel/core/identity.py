@@ -25,10 +25,13 @@ class Identity:
 
     @classmethod
     def parse(cls, uri: str) -> Identity:
-        """Parse exactly the ztunnel shape; anything else raises ValueError."""
+        """Parse exactly the ztunnel shape; anything else raises ValueError. As Rust's
+        ``Identity::from_str`` (src/identity/manager.rs), the trust domain, namespace and
+        service account may be empty (a local config workload without ``trustDomain`` or
+        ``serviceAccount`` has such an identity)."""
         if not uri.startswith(SPIFFE_PREFIX):
             raise ValueError(f"identity {uri!r} does not start with {SPIFFE_PREFIX}")
         parts = uri[len(SPIFFE_PREFIX) :].split("/")
-        if len(parts) != 5 or parts[1] != "ns" or parts[3] != "sa" or not all(parts):
+        if len(parts) != 5 or parts[1] != "ns" or parts[3] != "sa":
             raise ValueError(f"identity {uri!r} is not spiffe://<td>/ns/<ns>/sa/<sa>")
         return cls(parts[0], parts[2], parts[4])

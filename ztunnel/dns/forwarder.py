@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from ztunnel.core.addr import IPAddr, SocketAddr, parse_ip
 from ztunnel.dns import names, wire
 from ztunnel.dns.names import Name
-from ztunnel.dns.ratelimit import RateLimitedLog
+from ztunnel.logs import RateLimitedLog
 from ztunnel.proxy.sockets import SocketFactory
 
 # dnspython is imported with the first upstream reply (see wire.py).

@@ -31,6 +31,9 @@ class Answer:
     cname: Name | None = None
     addresses: tuple[IPAddr, ...] = ()
     service: Service | None = field(default=None, compare=False)
+    # Rust's DNS access-log result: "success", "no records", or (a host whose family does not
+    # match the query) "service does not support this record type".
+    result: str = field(default="success", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +91,11 @@ class Resolver:
         if m is None:
             return None
         if not self._family_allowed(m.service, qtype):
-            return Answer(service=m.service)  # found, but not this family: empty NOERROR
+            # found, but not this family: empty NOERROR
+            return Answer(service=m.service, result="service does not support this record type")
         addrs = self._addresses(client, m.service, qtype)
         if not addrs:
-            return Answer(service=m.service)
+            return Answer(service=m.service, result="no records")
         cname = None
         if m.alias.stripped is not None and m.name[:1] != ("*",):
             cname = m.alias.stripped

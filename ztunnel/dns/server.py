@@ -29,8 +29,8 @@ from ztunnel.config import Config, ProxyMode
 from ztunnel.core.addr import SocketAddr
 from ztunnel.dns import wire
 from ztunnel.dns.forwarder import Forwarder, ResolvConfSource
-from ztunnel.dns.ratelimit import RateLimitedLog
 from ztunnel.dns.resolver import Resolver, is_supported_type
+from ztunnel.logs import RateLimitedLog
 from ztunnel.metrics import Cell, DnsMetrics, HistogramCell, dns_labels
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.sockets import SocketFactory
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from ztunnel.proxy.instance import ProxyInstance
 
 log = logging.getLogger("ztunnel.dns")
+# Rust's per-query DNS access log (server.rs access_log: target "dns", debug; RUST_LOG=dns=debug)
+dns_log = logging.getLogger("dns")
 
 MAX_UDP_TASKS = 256  # queries in flight that need a task (forwarded, or waiting for the client)
 MAX_TCP_CONNECTIONS = 128
@@ -208,7 +210,8 @@ class DnsServer:
 
     def _on_udp(self, sock: socket.socket) -> None:
         buf, view = self._buf, self._view
-        hot = self._hot
+        # (with the DNS access log on, every query takes the logged path)
+        hot = self._hot if not dns_log.isEnabledFor(logging.DEBUG) else {}
         gen = self.state.generation
         if gen != self._hot_gen:
             hot.clear()
@@ -347,6 +350,9 @@ class DnsServer:
             return self._cached(req, client, udp)
         cell = self._count(req, udp, client)
         reply = wire.fit(req, wire.answer(req, ans.addresses, cname=ans.cname), udp)
+        if dns_log.isEnabledFor(logging.DEBUG):
+            # Rust counts the answers before adding the address records: the CNAME only.
+            access(req, client, ans.result, 1 if ans.cname is not None else 0)
         raw = req.raw
         if (
             udp
@@ -365,12 +371,16 @@ class DnsServer:
         if got is None:
             return req
         self._count_forward(req, udp, client, 0.0, got.failed)
+        if dns_log.isEnabledFor(logging.DEBUG):
+            access_forwarded(req, client, got.reply, got.failed)
         return got.reply
 
     async def _forward(self, req: wire.Request, client: Workload, udp: bool) -> bytes:
         start = time.perf_counter()
         result = await self.forwarder.forward(req, udp)
         self._count_forward(req, udp, client, time.perf_counter() - start, result.failed)
+        if dns_log.isEnabledFor(logging.DEBUG):
+            access_forwarded(req, client, result.reply, result.failed)
         return result.reply
 
     def _labels(self, req: wire.Request, udp: bool, client: Workload | None) -> tuple[str, ...]:
@@ -426,6 +436,29 @@ class _Series:
     failures: Cell
     duration: HistogramCell
     bounds: tuple[float, ...]
+
+
+def access(req: wire.Request, client: Workload | None, result: str, endpoints: int) -> None:
+    """One line of Rust's DNS access log (``server.rs`` ``access_log``)."""
+    fields = {
+        "src.workload": client.name if client is not None else "unknown",
+        "src.namespace": client.namespace if client is not None else "unknown",
+        "query": wire.type_text(req.qtype).upper() if req.qcount == 1 else None,
+        "domain": wire.question_name(req),
+        "result": result,
+        "endpoints": endpoints,
+    }
+    dns_log.debug("", extra={"fields": fields})
+
+
+def access_forwarded(req: wire.Request, client: Workload, reply: bytes, failed: bool) -> None:
+    # hickory's failures of a forwarded lookup surface as an error reply (SERVFAIL, NXDOMAIN,
+    # or no records): "forwarding failed (...)", else "forwarded" with the answer count.
+    (rcode, answers) = (reply[3] & 0x0F, int.from_bytes(reply[6:8])) if len(reply) >= 12 else (2, 0)
+    if failed:
+        access(req, client, f"forwarding failed ({wire.rcode_text(rcode)})", 0)
+    else:
+        access(req, client, "forwarded", answers)
 
 
 def _sendto(sock: socket.socket, data: bytes, addr: Any) -> None:

@@ -314,6 +314,21 @@ def opcode_text(opcode: int) -> str:
         return str(opcode)
 
 
+def question_name(req: Request) -> str | None:
+    """The question's name as the client wrote it (its case), dot-terminated as hickory prints
+    a name: ``Productpage.default.``."""
+    if req.qcount != 1:
+        return None
+    if req.qname_wire is not None:
+        return str(req.qname_wire.to_text())
+    q, labels, i = req.question, [], 0
+    while i < len(q) and q[i] != 0:
+        n = q[i]
+        labels.append(q[i + 1 : i + 1 + n].decode("ascii", "replace"))
+        i += 1 + n
+    return ".".join(labels) + "."
+
+
 def rcode_text(rcode: int) -> str:
     import dns.rcode
 

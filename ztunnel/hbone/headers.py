@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ztunnel.core.addr import SocketAddr
-from ztunnel.state.model import Workload, WorkloadType
+from ztunnel.state.model import Workload
 
 BAGGAGE = "baggage"
 FORWARDED = "forwarded"
@@ -16,12 +16,6 @@ TRACEPARENT = "traceparent"
 # The origin network on the inner CONNECT of double HBONE (Rust X_FORWARDED_NETWORK_HEADER).
 X_FORWARDED_NETWORK = "x-forwarded-network"
 
-_TYPE_KEYS = {
-    WorkloadType.DEPLOYMENT: "deployment",
-    WorkloadType.CRONJOB: "cronjob",
-    WorkloadType.POD: "pod",
-    WorkloadType.JOB: "job",
-}
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 
@@ -33,7 +27,8 @@ def baggage(wl: Workload | None, cluster_id: str = "") -> str:
     pairs = [
         ("k8s.cluster.name", wl.cluster_id or cluster_id),
         ("k8s.namespace.name", wl.namespace),
-        (f"k8s.{_TYPE_KEYS[wl.workload_type]}.name", wl.workload_name),
+        # (Rust baggage_header_val: the type as it is, even empty: ``k8s..name=``)
+        (f"k8s.{wl.workload_type}.name", wl.workload_name),
         ("service.name", wl.canonical_name),
         ("service.version", wl.canonical_revision),
         ("cloud.region", wl.locality.region),

@@ -35,6 +35,7 @@ from ztunnel.hbone.clienthello import (
     NotClientHello,
     parse_client_hello,
 )
+from ztunnel.identity.osslverify import VerifiedChain, take_verified_chain
 from ztunnel.identity.tls import peer_identity
 from ztunnel.net.copy import CopyCounters
 
@@ -174,14 +175,33 @@ async def tls_handshake(
     server_side: bool,
     timeout: float = _HANDSHAKE_TIMEOUT,
     require_alpn: bytes | None = None,
-) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
+) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO, VerifiedChain]:
     """Run a TLS handshake on a connected non-blocking socket. No SNI is sent (reference 2.1).
+    Also returns the peer's verified chain above its leaf as the in-handshake callback saw it
+    (``osslverify``; empty without one), for re-checks after a CRL reload.
 
     ``require_alpn`` (server side): a client whose ClientHello offers ALPN without it is refused
     with a no_application_protocol alert (:class:`AlpnRefused`); one offering no ALPN is not."""
-    loop = asyncio.get_running_loop()
     inbio, outbio = ssl.MemoryBIO(), ssl.MemoryBIO()
     sslobj = ctx.wrap_bio(inbio, outbio, server_side=server_side, server_hostname=None)
+    try:
+        await _handshake(sock, sslobj, inbio, outbio, server_side, timeout, require_alpn)
+    finally:
+        # Always taken (also when the handshake fails after verifying): nothing is left behind.
+        chain = take_verified_chain(sslobj)
+    return sslobj, inbio, outbio, chain
+
+
+async def _handshake(
+    sock: socket.socket,
+    sslobj: ssl.SSLObject,
+    inbio: ssl.MemoryBIO,
+    outbio: ssl.MemoryBIO,
+    server_side: bool,
+    timeout: float,
+    require_alpn: bytes | None,
+) -> None:
+    loop = asyncio.get_running_loop()
     hello: bytearray | None = bytearray() if server_side and require_alpn else None
     async with asyncio.timeout(timeout):
         while True:
@@ -200,7 +220,7 @@ async def tls_handshake(
             if outbio.pending:
                 await loop.sock_sendall(sock, outbio.read())
             if done:
-                return sslobj, inbio, outbio
+                return
             data = await loop.sock_recv(sock, 65536)
             if not data:
                 raise ConnectionLost("peer closed the connection during the TLS handshake")
@@ -544,6 +564,7 @@ class HboneConnection:
         *,
         on_request: Callable[[HboneConnection, h2.RequestReceived], None] | None = None,
         keepalive: bool = True,
+        peer_chain: VerifiedChain = (),
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.sock = sock
@@ -554,6 +575,7 @@ class HboneConnection:
         self.h2 = h2c
         self.on_request = on_request
         self.peer_der = sslobj.getpeercert(binary_form=True) or b""
+        self.peer_chain = peer_chain  # above the leaf, as verified (tls_handshake)
         # The C-level TLS object behind the SSLObject: its read/write/pending are what the
         # SSLObject methods call, minus a Python frame each (several per message).
         tls = getattr(sslobj, "_sslobj", sslobj)

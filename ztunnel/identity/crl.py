@@ -15,8 +15,9 @@ Follows istio/ztunnel ``src/tls/crl.rs`` and ``src/tls/revocation.rs``:
   parse keeps the previous CRLs.
 
 Rejections are counted in ``istio_crl_policy_rejections_total{reporter}`` and logged (at most
-one line a second). Rust also re-checks live connections after a reload and closes revoked
-ones; this port checks at handshake only (README "Compatibility").
+one line a second). After a reload, live connections are re-checked with
+:meth:`CrlManager.revoked_chain` on the chain their handshake verified, inbound and outbound,
+and the revoked ones closed (Rust ``RevocationIndex::navigate``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, r
 
 log = logging.getLogger(__name__)
 
-RELOAD_CHECK_INTERVAL = 1.0
+RELOAD_CHECK_INTERVAL = 1.0  # how often the watcher re-checks live connections
 _CRL_KEY_TYPES = (
     rsa.RSAPublicKey,
     ec.EllipticCurvePublicKey,
@@ -112,8 +113,8 @@ class CrlManager:
         self._clock = clock
         self._lock = threading.Lock()
         self._crls: list[_Crl] = []
+        self._serials: frozenset[int] = frozenset()  # every serial any CRL lists
         self._stamp: tuple[int, int, int] | None = None  # (mtime_ns, size, inode) loaded
-        self._next_check = 0.0
         self._verified: dict[tuple[int, bytes], bool] = {}  # (id(crl), issuer DER) -> ok
         self._last_log = 0.0
         self.generation = 0
@@ -133,19 +134,18 @@ class CrlManager:
             _Crl(c, c.issuer.public_bytes(), frozenset(r.serial_number for r in c))
             for c in parse_crls(data)
         ]
+        serials = frozenset().union(*(c.revoked for c in crls))
         with self._lock:
             self._crls = crls
+            self._serials = serials
             self._verified = {}
             self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             self.generation += 1
         log.info("loaded %d CRL(s) from %s", len(crls), self.path)
 
     def maybe_reload(self) -> None:
-        """Reload if the file changed since it was loaded (checked at most once a second)."""
-        now = self._clock()
-        if now < self._next_check:
-            return
-        self._next_check = now + RELOAD_CHECK_INTERVAL
+        """Reload if the file changed since it was loaded. One stat per check: every data-plane
+        worker then sees a new file at its next handshake, so they all decide alike at once."""
         try:
             st = os.stat(self.path)
         except OSError:
@@ -172,6 +172,9 @@ class CrlManager:
         ``issuer`` None (not known): a CRL whose issuer name matches still counts only if it
         was verified against that issuer before; otherwise unknown status, allowed."""
         self.maybe_reload()
+        return self._listed(cert, issuer)
+
+    def _listed(self, cert: x509.Certificate, issuer: x509.Certificate | None) -> bool:
         crls = self._crls
         if not crls:
             return False
@@ -192,21 +195,37 @@ class CrlManager:
                 return True
         return False
 
-    def revoked_peer(self, peer_der: bytes, issuers: Sequence[x509.Certificate]) -> bool:
-        """Whether a live connection's peer leaf is revoked now: the leaf (DER) checked against
-        a CRL signed by the first of ``issuers`` (our own intermediates and roots, which a mesh
-        peer's chain shares) whose subject is the leaf's issuer. Used to re-check established
-        connections after a reload (Rust closes the revoked ones); an unknown issuer means
-        unknown status, allowed, as :meth:`is_revoked` does."""
+    def revoked_chain(self, peer_der: bytes, chain: Sequence[x509.Certificate]) -> bool:
+        """Whether a live connection's verified chain holds a certificate revoked now: the
+        leaf (DER) and each certificate above it but the trust anchor, each checked against a
+        CRL signed by its issuer (Rust ``chain_is_revoked``, re-run on established connections
+        after a reload). ``chain`` is the chain above the leaf as verified (``osslverify``),
+        issuer first; the issuer of each certificate is looked up by name in it, so a set of
+        CA certificates (ours, which a mesh peer's chain shares) also serves when no chain was
+        recorded. A certificate whose issuer is not there ends the walk: unknown status,
+        allowed, as :meth:`is_revoked` does; a self-issued one is the anchor. Checked against
+        the CRLs loaded now (the caller has just reloaded them): no stat of the file per
+        connection."""
         if not self._crls or not peer_der:
             return False
         try:
-            leaf = x509.load_der_x509_certificate(peer_der)
+            cert = x509.load_der_x509_certificate(peer_der)
         except ValueError:
             return False
-        issuer_name = leaf.issuer
-        issuer = next((c for c in issuers if c.subject == issuer_name), None)
-        return self.is_revoked(leaf, issuer)
+        serials = self._serials
+        if cert.serial_number not in serials and not any(c.serial_number in serials for c in chain):
+            return False  # (most connections: no CRL lists any serial of the chain)
+        for _ in range(len(chain)):
+            name = cert.issuer
+            issuer = next((c for c in chain if c.subject == name and c is not cert), None)
+            if issuer is None:
+                return False
+            if self._listed(cert, issuer):
+                return True
+            if issuer.issuer == issuer.subject:
+                return False
+            cert = issuer
+        return False
 
     def rejected(self, reporter: str, peer: str) -> None:
         """Count and (rate-limited) log a connection refused for a revoked certificate."""

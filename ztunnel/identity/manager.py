@@ -35,6 +35,13 @@ class CertificateProvider(Protocol):
     async def sign(self, identity: Identity) -> WorkloadCertificate: ...
 
 
+class CertificateSource(Protocol):
+    """What the data plane asks for certificates: a ``SecretManager``, or in a data-plane worker
+    the supervisor's manager over the worker channel (ztunnel/workers)."""
+
+    async def fetch_certificate(self, identity: Identity) -> WorkloadCertificate: ...
+
+
 class CertificateError(Exception):
     """Base of the errors ``SecretManager.fetch_certificate`` raises."""
 
@@ -123,6 +130,10 @@ class SecretManager:
         self._entries: dict[Identity, _Entry] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Told of every certificate obtained (first fetch and renewals) and every forgotten
+        # identity: the supervisor pushes them to its data-plane workers.
+        self.on_certificate: Callable[[Identity, WorkloadCertificate], None] | None = None
+        self.on_forget: Callable[[Identity], None] | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -172,6 +183,8 @@ class SecretManager:
         entry = self._entries.pop(identity, None)
         if entry is not None:
             self._stop(entry)
+            if self.on_forget is not None:
+                self.on_forget(identity)
 
     def identities(self) -> list[Identity]:
         return sorted(self._entries)
@@ -284,6 +297,8 @@ class SecretManager:
     def _on_success(self, entry: _Entry, cert: WorkloadCertificate) -> float:
         entry.cert = cert
         entry.error = None
+        if self.on_certificate is not None:
+            self.on_certificate(entry.identity, cert)
         delay = cert.refresh_at.timestamp() - self._clock()
         if delay > 0:
             entry.backoff = self._initial_backoff

@@ -17,7 +17,14 @@ through ``ctypes``, against the libssl the ``_ssl`` module is linked to:
   which OpenSSL turns into the matching TLS alert (``certificate_revoked`` for
   ``X509_V_ERR_CERT_REVOKED``);
 * the callback holds the GIL (ctypes takes it; ``_ssl`` releases it around the handshake) and
-  costs one DER encode and parse per certificate per handshake, nothing per byte.
+  costs one DER encode per certificate per handshake (and a parse of the leaf; CA certificates
+  are parsed once and shared), nothing per byte;
+* on the last call of a successful verification (depth 0) it records the verified chain above
+  the leaf (intermediates, then the trust anchor) for the connection: the ``SSL *`` comes from
+  the store's ex-data, and the ``_ssl`` object owning it is the SSL's app data (CPython sets
+  it to itself). :func:`take_verified_chain` hands it over after the handshake, matched by that
+  object and the leaf, so a CRL reload can re-check the whole chain of a live connection
+  (Rust ``RevocationIndex``).
 """
 
 from __future__ import annotations
@@ -42,9 +49,11 @@ __all__ = [
     "X509_V_ERR_CERT_REJECTED",
     "X509_V_ERR_CERT_REVOKED",
     "ChainCheck",
+    "VerifiedChain",
     "VerifyFailure",
     "available",
     "install",
+    "take_verified_chain",
 ]
 
 
@@ -95,6 +104,21 @@ class _Lib:
         c.OPENSSL_sk_num.restype = ctypes.c_int
         c.i2d_X509.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
         c.i2d_X509.restype = ctypes.c_int
+        c.X509_STORE_CTX_get_ex_data.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        c.X509_STORE_CTX_get_ex_data.restype = ctypes.c_void_p
+        s.SSL_get_ex_data_X509_STORE_CTX_idx.argtypes = []
+        s.SSL_get_ex_data_X509_STORE_CTX_idx.restype = ctypes.c_int
+        s.SSL_get_ex_data.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        s.SSL_get_ex_data.restype = ctypes.c_void_p
+        self.ssl_idx = s.SSL_get_ex_data_X509_STORE_CTX_idx()
+
+    def owner_of(self, store: int) -> int:
+        """The ``_ssl`` object (its address) whose handshake is verifying in ``store``; 0 if
+        unknown. Reads pointers only, never dereferences one as a Python object."""
+        ssl_ptr = self.crypto.X509_STORE_CTX_get_ex_data(store, self.ssl_idx)
+        if not ssl_ptr:
+            return 0
+        return self.ssl.SSL_get_ex_data(ssl_ptr, 0) or 0  # SSL_get_app_data
 
     def cert_der(self, x509_ptr: int) -> bytes:
         n = self.crypto.i2d_X509(x509_ptr, None)
@@ -161,44 +185,93 @@ def _ssl_ctx_ptr(lib: _Lib, ctx: ssl.SSLContext) -> int | None:
     return ptr
 
 
+VerifiedChain = tuple[x509.Certificate, ...]
+"""A peer's verified chain above its leaf: intermediates from the leaf's issuer up, the trust
+anchor last (empty when none was recorded)."""
+
+# _ssl object address -> (leaf DER, chain) of its last successful verification, until
+# take_verified_chain; bounded in case a caller never takes its handshake's chain
+_chains: dict[int, tuple[bytes, VerifiedChain]] = {}
+_MAX_PENDING = 4096
+_MAX_CA_CACHE = 256
+
+
+def take_verified_chain(sslobj: ssl.SSLObject | ssl.SSLSocket) -> VerifiedChain:
+    """The chain the callback verified for this connection's peer (after the handshake; call
+    once: it is handed over, not kept here). Empty when no callback ran for it or the record is
+    not this connection's (another object at a reused address, or another leaf)."""
+    owner = id(getattr(sslobj, "_sslobj", sslobj))
+    got = _chains.pop(owner, None)
+    if got is None:
+        return ()
+    leaf, chain = got
+    try:
+        if leaf != sslobj.getpeercert(binary_form=True):
+            return ()
+    except ValueError:  # (the handshake did not finish)
+        return ()
+    return chain
+
+
 class _Verifier:
-    """The per-context callback; keeps the issuer seen at the previous depth per store."""
+    """The per-context callback; keeps, per store, the certificates verified so far in this
+    chain (trust anchor first)."""
 
     def __init__(self, lib: _Lib, check: Check) -> None:
         self.lib = lib
         self.check = check
-        self.previous: dict[int, x509.Certificate] = {}
+        self.above: dict[int, list[x509.Certificate]] = {}
+        # DER -> parsed CA certificate: every connection of a mesh shares a few of them
+        self.cas: dict[bytes, x509.Certificate] = {}
         self.cfunc = _VERIFY_CB(self._callback)
+
+    def _ca(self, der: bytes) -> x509.Certificate:
+        cert = self.cas.get(der)
+        if cert is None:
+            if len(self.cas) >= _MAX_CA_CACHE:
+                self.cas.clear()
+            cert = self.cas[der] = x509.load_der_x509_certificate(der)
+        return cert
 
     def _callback(self, preverify_ok: int, store: int) -> int:
         lib = self.lib
         try:
             if not preverify_ok:
-                self.previous.pop(store, None)
+                self.above.pop(store, None)
                 return 0
             depth = lib.crypto.X509_STORE_CTX_get_error_depth(store)
-            cert = x509.load_der_x509_certificate(
-                lib.cert_der(lib.crypto.X509_STORE_CTX_get_current_cert(store))
-            )
+            der = lib.cert_der(lib.crypto.X509_STORE_CTX_get_current_cert(store))
             # The top of the chain (the trust anchor) has no issuer here, whatever a previous
             # handshake that reused this store left behind.
             chain = lib.crypto.X509_STORE_CTX_get0_chain(store)
             top = chain is not None and depth >= lib.crypto.OPENSSL_sk_num(chain) - 1
-            issuer = None if top else self.previous.get(store)
+            above = None if top else self.above.get(store)
+            issuer = above[-1] if above else None
             if depth == 0:
-                self.previous.pop(store, None)
+                cert = x509.load_der_x509_certificate(der)
+                self.above.pop(store, None)
             else:
-                if len(self.previous) > 4096:  # never reached unless OpenSSL skips depth 0
-                    self.previous.clear()
-                self.previous[store] = cert
+                cert = self._ca(der)
+                if above is None:
+                    if len(self.above) > 4096:  # never reached unless OpenSSL skips depth 0
+                        self.above.clear()
+                    self.above[store] = [cert]
+                else:
+                    above.append(cert)
             self.check(ChainCheck(depth, cert, issuer))
+            if depth == 0:
+                owner = lib.owner_of(store)
+                if owner:
+                    if len(_chains) >= _MAX_PENDING:
+                        _chains.clear()
+                    _chains[owner] = (der, tuple(reversed(above)) if above else ())
             return 1
         except VerifyFailure as e:
-            self.previous.pop(store, None)
+            self.above.pop(store, None)
             lib.crypto.X509_STORE_CTX_set_error(store, e.error)
             return 0
         except Exception:
-            self.previous.pop(store, None)
+            self.above.pop(store, None)
             log.exception("certificate verification callback failed; refusing the peer")
             lib.crypto.X509_STORE_CTX_set_error(store, X509_V_ERR_APPLICATION_VERIFICATION)
             return 0

@@ -89,6 +89,13 @@ class TlsPolicy:
 
 
 TLS_POLICY_MEMO = "tls.policy"
+
+
+def crl_of(cert: WorkloadCertificate) -> CrlManager | None:
+    """The CRLs (``CRL_PATH``) that contexts built from ``cert`` check peers against."""
+    return cert.memo(TLS_POLICY_MEMO, lambda: _DEFAULT_POLICY).crl
+
+
 TLS12_CIPHERS = (
     "ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-ECDSA-AES128-GCM-SHA256:"
     "ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-AES128-GCM-SHA256"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ztunnel.config import Config
 from ztunnel.core.errors import (
+    CertificateRevoked,
     H2Failure,
     IdentityError,
     ProxyError,
@@ -29,10 +30,15 @@ from ztunnel.hbone.headers import (
 )
 from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
 from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
-from ztunnel.identity.manager import CertificateError, SecretManager
+from ztunnel.identity.certs import WorkloadCertificate
+from ztunnel.identity.crl import CrlManager
+from ztunnel.identity.manager import CertificateError, CertificateSource
+from ztunnel.identity.osslverify import VerifiedChain
 from ztunnel.identity.tls import (
     TlsIdentityError,
     client_context,
+    crl_of,
+    peer_identity,
     verify_server_identity,
 )
 from ztunnel.net.copy import CopyCounters
@@ -62,7 +68,7 @@ class HboneSettings:
 
 async def dial_hbone(
     sockets: SocketFactory,
-    secrets: SecretManager,
+    secrets: CertificateSource,
     settings: HboneSettings,
     key: WorkloadKey,
 ) -> HboneConnection:
@@ -76,12 +82,17 @@ async def dial_hbone(
                 f"connection timed out, maybe a NetworkPolicy is blocking HBONE port {key.dst.port}"
             ) from None
         raise
+    crl = crl_of(cert)
+    crl_generation = crl.generation if crl is not None else 0
     try:
-        sslobj, inbio, outbio = await tls_handshake(sock, client_context(cert), server_side=False)
+        sslobj, inbio, outbio, chain = await tls_handshake(
+            sock, client_context(cert), server_side=False
+        )
         if sslobj.selected_alpn_protocol() != "h2":
             raise H2Failure(f"server at {key.dst} did not negotiate ALPN h2")
         peer_der = sslobj.getpeercert(binary_form=True) or b""
         verify_server_identity(peer_der, key.dst_identities)
+        chain = _recheck_new(crl, crl_generation, peer_der, chain, cert)
     except TlsIdentityError as e:
         sock.close()
         raise IdentityError(
@@ -99,7 +110,25 @@ async def dial_hbone(
         connection_window_size=settings.connection_window,
         max_frame_size=settings.frame_size,
     )
-    return HboneConnection(sock, sslobj, inbio, outbio, h2c)
+    return HboneConnection(sock, sslobj, inbio, outbio, h2c, peer_chain=chain)
+
+
+def _recheck_new(
+    crl: CrlManager | None,
+    generation: int,
+    peer_der: bytes,
+    chain: VerifiedChain,
+    cert: WorkloadCertificate,
+) -> VerifiedChain:
+    """The chain a new connection is re-checked against after CRL reloads (had the callback
+    recorded none, our own CA certificates, which a mesh peer's chain shares); refuses the
+    connection when the CRLs changed during its handshake and now revoke it (Rust
+    ``revoked_after_reload``: the reload's own re-check could not see it yet)."""
+    chain = chain or (*cert.intermediates, *cert.roots)
+    if crl is not None and crl.generation != generation and crl.revoked_chain(peer_der, chain):
+        crl.rejected("source", f"{peer_identity(peer_der)} (reload during the handshake)")
+        raise CertificateRevoked()
+    return chain
 
 
 class HboneConnector:
@@ -109,7 +138,7 @@ class HboneConnector:
         self,
         config: Config,
         sockets: SocketFactory,
-        secrets: SecretManager,
+        secrets: CertificateSource,
         pool: ConnectionPool | None = None,
     ) -> None:
         self.config = config
@@ -223,15 +252,17 @@ class HboneConnector:
         try:
             assert rec.src_identity is not None
             cert = await self.secrets.fetch_certificate(rec.src_identity)
+            crl = crl_of(cert)
+            crl_generation = crl.generation if crl is not None else 0
             try:
-                sslobj, inbio, outbio = await tls_handshake(
+                sslobj, inbio, outbio, chain = await tls_handshake(
                     near, client_context(cert), server_side=False
                 )
                 if sslobj.selected_alpn_protocol() != "h2":
                     raise H2Failure(f"{route.authority} did not negotiate ALPN h2 (inner tunnel)")
-                verify_server_identity(
-                    sslobj.getpeercert(binary_form=True) or b"", route.final_identities
-                )
+                peer_der = sslobj.getpeercert(binary_form=True) or b""
+                verify_server_identity(peer_der, route.final_identities)
+                chain = _recheck_new(crl, crl_generation, peer_der, chain, cert)
             except TlsIdentityError as e:
                 raise IdentityError(
                     f"{e} (inner tunnel; expected one of "
@@ -247,7 +278,7 @@ class HboneConnector:
                 connection_window_size=self.settings.connection_window,
                 max_frame_size=self.settings.frame_size,
             )
-            inner = HboneConnection(near, sslobj, inbio, outbio, h2c)
+            inner = HboneConnection(near, sslobj, inbio, outbio, h2c, peer_chain=chain)
             inner_headers = [*headers, (X_FORWARDED_NETWORK, self.config.network)]
             resp = await self._connect(inner, route, inner_headers, rec)
             if resp is None:
@@ -278,6 +309,20 @@ class HboneConnector:
             await outer.bridge(sid, sock, CopyCounters())
         finally:
             self.pool.stream_done(outer)
+
+    def close_revoked(self, crl: CrlManager) -> int:
+        """After a CRL reload: close every outbound connection (pooled, and the inner ones of
+        double HBONE) whose server's verified chain is now revoked (Rust: the pool's and
+        double HBONE's ``RevocationHandle``s, then the h2 client tears the tunnel down); their
+        streams end with ``certificate revoked`` (flag CERT_REVOKED). Returns how many."""
+        closed = 0
+        for conn in [*self.pool.connections(), *self._carriers]:
+            if conn.closed.done() or not crl.revoked_chain(conn.peer_der, conn.peer_chain):
+                continue
+            crl.rejected("source", f"{conn.peer_identity} (live connection)")
+            conn.close(CertificateRevoked())
+            closed += 1
+        return closed
 
     def stream_done(self, conn: HboneConnection) -> None:
         """A stream from :meth:`open_stream` is over: give its slot back to the pool (for

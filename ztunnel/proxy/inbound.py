@@ -25,8 +25,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from cryptography import x509
-
 from ztunnel.config import HBONE_PORT, ILLEGAL_PORTS
 from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr, parse_ip
 from ztunnel.core.errors import AuthorizationDenied, CertificateRevoked, ProxyError, reportable
@@ -43,8 +41,13 @@ from ztunnel.hbone.headers import (
 )
 from ztunnel.hbone.transport import AlpnRefused, HboneConnection, HboneError, tls_handshake
 from ztunnel.identity.crl import CrlManager
-from ztunnel.identity.manager import CertificateError, SecretManager
-from ztunnel.identity.tls import TlsIdentityError, server_context, verify_client_trust_domain
+from ztunnel.identity.manager import CertificateError, CertificateSource
+from ztunnel.identity.tls import (
+    TlsIdentityError,
+    crl_of,
+    server_context,
+    verify_client_trust_domain,
+)
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
 from ztunnel.proxy.context import (
@@ -114,7 +117,7 @@ class _FairStarter:
 
 
 class InboundHbone:
-    def __init__(self, ctx: ProxyContext, secrets: SecretManager) -> None:
+    def __init__(self, ctx: ProxyContext, secrets: CertificateSource) -> None:
         self.ctx = ctx
         self.secrets = secrets
         self.settings = HboneSettings.from_config(ctx.config)
@@ -127,9 +130,6 @@ class InboundHbone:
             max_continuations=cfg.h2_max_continuations,
         )
         self.connections: set[HboneConnection] = set()
-        # each connection's CA certificates (ours, which a mesh peer's chain shares): the
-        # issuers its peer's leaf is re-checked against when the CRLs change
-        self._issuers: dict[HboneConnection, tuple[x509.Certificate, ...]] = {}
         self._warned = 0.0
         self._suppressed = 0
         self._starter = _FairStarter()
@@ -165,12 +165,13 @@ class InboundHbone:
             conn.send_goaway()
 
     def close_revoked(self, crl: CrlManager) -> int:
-        """After a CRL reload: close every connection whose peer certificate is now revoked
-        (Rust re-checks live connections' chains and tears the revoked ones down); their
-        streams end with ``certificate revoked`` (flag CERT_REVOKED). Returns how many."""
+        """After a CRL reload: close every connection whose peer's verified chain (leaf or an
+        intermediate) is now revoked (Rust ``RevocationIndex::navigate``, then the h2 server
+        shuts the connection down); their streams end with ``certificate revoked`` (flag
+        CERT_REVOKED). Returns how many."""
         closed = 0
-        for conn, issuers in list(self._issuers.items()):
-            if conn.closed.done() or not crl.revoked_peer(conn.peer_der, issuers):
+        for conn in list(self.connections):
+            if conn.closed.done() or not crl.revoked_chain(conn.peer_der, conn.peer_chain):
                 continue
             crl.rejected("destination", f"{conn.peer_identity} (live connection)")
             conn.close(CertificateRevoked())
@@ -198,7 +199,9 @@ class InboundHbone:
             return
         try:
             cert = await self.secrets.fetch_certificate(identity)
-            sslobj, inbio, outbio = await tls_handshake(
+            crl = crl_of(cert)
+            crl_generation = crl.generation if crl is not None else 0
+            sslobj, inbio, outbio, chain = await tls_handshake(
                 sock, server_context(cert), server_side=True, require_alpn=b"h2"
             )
             peer_der = sslobj.getpeercert(binary_form=True) or b""
@@ -259,9 +262,22 @@ class InboundHbone:
             limits=self.flood_limits,
             hold_streams=True,
         )
-        conn = HboneConnection(sock, sslobj, inbio, outbio, h2c, on_request=on_request)
+        # Had the callback recorded no chain, our own CA certificates (which a mesh peer's
+        # chain shares) stand in for it in re-checks.
+        chain = chain or (*cert.intermediates, *cert.roots)
+        conn = HboneConnection(
+            sock, sslobj, inbio, outbio, h2c, on_request=on_request, peer_chain=chain
+        )
         self.connections.add(conn)
-        self._issuers[conn] = (*cert.intermediates, *cert.roots)
+        if (
+            crl is not None
+            and crl.generation != crl_generation
+            and crl.revoked_chain(conn.peer_der, chain)
+        ):
+            # The CRLs changed during the handshake, after its check and before the reload's
+            # re-check could see this connection (Rust ``revoked_after_reload``).
+            crl.rejected("destination", f"{peer_id} (reload during the handshake)")
+            conn.close(CertificateRevoked())
         try:
             await asyncio.shield(conn.closed)
             if conn.protocol_error is not None:
@@ -289,7 +305,6 @@ class InboundHbone:
             raise
         finally:
             self.connections.discard(conn)
-            self._issuers.pop(conn, None)
 
     async def _serve(
         self,

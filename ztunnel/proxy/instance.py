@@ -12,13 +12,14 @@ import errno
 import functools
 import logging
 import socket
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config, WorkloadInfo
 from ztunnel.core.addr import IPAddr
 from ztunnel.core.identity import Identity
-from ztunnel.identity.manager import SecretManager
+from ztunnel.identity.crl import CrlManager
+from ztunnel.identity.manager import CertificateSource
 from ztunnel.metrics import Metrics, Reporter
 from ztunnel.net.copy import PipePool
 from ztunnel.net.fdbudget import FdBudget
@@ -55,7 +56,7 @@ class ProxyInstance:
         self,
         config: Config,
         state: State,
-        secrets: SecretManager,
+        secrets: CertificateSource,
         pipes: PipePool | None,
         info: WorkloadInfo,
         *,
@@ -196,6 +197,10 @@ class ProxyInstance:
         for comp in self.companions:
             comp.start()
 
+    def live_connections(self) -> Iterable[Any]:
+        """The live connection records (for /config_dump and /debug/connections)."""
+        return self.ctx.tracker.live
+
     @property
     def active_connections(self) -> int:
         return sum(lst.active for lst in self.listeners)
@@ -219,6 +224,11 @@ class ProxyInstance:
             return 0
         return self.ctx.tracker.recheck(self.ctx.policies, self.workload())
 
+    def close_revoked(self, crl: CrlManager) -> int:
+        """After a CRL reload: close this instance's connections, inbound and outbound (pooled
+        and double-HBONE inner), whose peer's verified chain is now revoked. Returns how many."""
+        return self.inbound.close_revoked(crl) + self.connector.close_revoked(crl)
+
     async def close(self) -> None:
         """Immediate: listeners and every connection close now (a deleted pod)."""
         await self.drain(0)
@@ -232,30 +242,3 @@ def _socket_gauge(metrics: Metrics, reporter: Reporter) -> Callable[[bool], None
             metrics.socket_closed(reporter)
 
     return on_socket
-
-
-def instance_factory(
-    config: Config,
-    state: State,
-    secrets: SecretManager,
-    pipes: PipePool | None,
-    *,
-    metrics: Metrics | None = None,
-    policies: PolicyIndex | None = None,
-    companions: CompanionBuilder | None = None,
-) -> Callable[[WorkloadInfo, int | None, str], ProxyInstance]:
-    def build(info: WorkloadInfo, netns_fd: int | None, name: str) -> ProxyInstance:
-        return ProxyInstance(
-            config,
-            state,
-            secrets,
-            pipes,
-            info,
-            netns_fd=netns_fd,
-            name=name,
-            metrics=metrics,
-            policies=policies,
-            companions=companions,
-        )
-
-    return build

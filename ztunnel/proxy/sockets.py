@@ -24,6 +24,8 @@ log = logging.getLogger("ztunnel.proxy")
 
 CONNECT_TIMEOUT = 10.0
 
+ListenKey = tuple[str, int, tuple[str, int]]  # ("tcp" | "udp", family, (address, port))
+
 
 class SocketFactory:
     """Makes sockets for one proxy: in its netns (``netns_fd``, None = current), with its mark."""
@@ -48,6 +50,11 @@ class SocketFactory:
             mark, keepalive, user_timeout
         )
         self.transparent_ok: bool | None = None  # learnt on first spoofed connect
+        # Every listening socket made here, by (kind, family, address); with ``adopt`` set,
+        # those sockets are taken instead of new ones being bound (data-plane workers serve the
+        # listeners their supervisor bound, see ztunnel/workers).
+        self.bound: dict[ListenKey, socket.socket] = {}
+        self.adopt: dict[ListenKey, socket.socket] | None = None
 
     @contextlib.contextmanager
     def _in_ns(self) -> Iterator[None]:
@@ -89,10 +96,23 @@ class SocketFactory:
     def listener(
         self, addr: tuple[str, int], *, family: int, reuse_port: bool, transparent: bool
     ) -> socket.socket:
+        key: ListenKey = ("tcp", family, addr)
+        if self.adopt is not None:
+            return self._adopted(key)
         with self._in_ns():
-            return sockopt.bind_listener(
+            sock = sockopt.bind_listener(
                 addr, family=family, reuse_port=reuse_port, transparent=transparent
             )
+        self.bound[key] = sock
+        return sock
+
+    def _adopted(self, key: ListenKey) -> socket.socket:
+        assert self.adopt is not None
+        sock = self.adopt.pop(key, None)
+        if sock is None:
+            raise OSError(errno.EADDRNOTAVAIL, f"no listening socket was handed over for {key}")
+        self.bound[key] = sock
+        return sock
 
     def datagram(self, family: int) -> socket.socket:
         """A non-blocking UDP socket in this factory's netns, with its mark (the DNS proxy's
@@ -112,6 +132,9 @@ class SocketFactory:
         self, addr: tuple[str, int], *, family: int, reuse_port: bool
     ) -> socket.socket:
         """A bound, non-blocking, marked UDP socket in this factory's netns (the DNS listener)."""
+        key: ListenKey = ("udp", family, addr)
+        if self.adopt is not None:
+            return self._adopted(key)
         with self._in_ns():
             sock = socket.socket(family, socket.SOCK_DGRAM)
             try:
@@ -127,6 +150,7 @@ class SocketFactory:
             except BaseException:
                 sock.close()
                 raise
+        self.bound[key] = sock
         return sock
 
     def read_sysctl(self, path: str) -> str | None:

@@ -52,7 +52,6 @@ from ztunnel.state.model import (
     WeightedWaypoint,
     Workload,
     WorkloadStatus,
-    WorkloadType,
 )
 from ztunnel.state.store import State
 
@@ -61,12 +60,10 @@ __all__ = ["LocalConfig", "LocalConfigError", "load_local_config"]
 _T = TypeVar("_T")
 _E = TypeVar("_E", bound=enum.Enum)
 
-# Defaults the xDS conversion applies (src/state/workload.rs). Rust file mode leaves these
-# fields empty when omitted; an empty trust domain or service account makes an identity that
-# cannot be parsed or certified, so the file loader applies the xDS defaults instead. The
-# cluster id stays empty when omitted, as in Rust (serde default), so baggage carries none.
-DEFAULT_TRUST_DOMAIN = "cluster.local"
-DEFAULT_SERVICE_ACCOUNT = "default"
+# Rust deserializes a file workload with serde defaults (src/xds.rs LocalWorkload flattening
+# src/state/workload.rs Workload): an omitted trustDomain, serviceAccount, clusterId or
+# workloadType is an empty string, never the xDS conversion's cluster.local/default/deployment,
+# so its identity is ``spiffe:///ns/<namespace>/sa/`` (which no CA certifies).
 DEFAULT_CLUSTER_ID = "Kubernetes"  # only in the uid this loader makes up for uid-less entries
 DEFAULT_HBONE_MTLS_PORT = 15008
 
@@ -79,8 +76,6 @@ _PROTOCOL = {"TCP": TunnelProtocol.NONE, "HBONE": TunnelProtocol.HBONE}
 _NETWORK_MODE = {"Standard": NetworkMode.STANDARD, "HostNetwork": NetworkMode.HOST_NETWORK}
 _STATUS = {"Healthy": WorkloadStatus.HEALTHY, "Unhealthy": WorkloadStatus.UNHEALTHY}
 _APP_TUNNEL = {"NONE": AppTunnelProtocol.NONE, "PROXY": AppTunnelProtocol.PROXY}
-# Rust keeps workloadType as a free string; known names map to the enum, others to DEPLOYMENT.
-_WORKLOAD_TYPE = {t.name.lower(): t for t in WorkloadType}
 _VISIBILITY = {"Public": ServiceVisibility.PUBLIC, "Namespace": ServiceVisibility.NAMESPACE}
 _LB_SCOPE = {
     "Region": LoadBalancerScope.REGION,
@@ -506,17 +501,15 @@ class _Parser:
             hostname=self.opt(f, "hostname", path, self.string, ""),
             network=self.opt(f, "network", path, self.string, ""),
             protocol=self.opt(f, "protocol", path, self.enum_of(_PROTOCOL), TunnelProtocol.NONE),
-            trust_domain=self.opt(f, "trustDomain", path, self.string, "") or DEFAULT_TRUST_DOMAIN,
-            service_account=self.opt(f, "serviceAccount", path, self.string, "")
-            or DEFAULT_SERVICE_ACCOUNT,
+            trust_domain=self.opt(f, "trustDomain", path, self.string, ""),
+            service_account=self.opt(f, "serviceAccount", path, self.string, ""),
             waypoint=self.opt(f, "waypoint", path, self.gateway, None),
             network_gateway=self.opt(f, "networkGateway", path, self.gateway, None),
             node=self.opt(f, "node", path, self.string, ""),
             canonical_name=self.opt(f, "canonicalName", path, self.string, ""),
             canonical_revision=self.opt(f, "canonicalRevision", path, self.string, ""),
-            workload_type=self.opt(
-                f, "workloadType", path, self.workload_type, WorkloadType.DEPLOYMENT
-            ),
+            # Any string, as Rust's Strng field takes (it only feeds telemetry), kept as is.
+            workload_type=self.opt(f, "workloadType", path, self.string, ""),
             workload_name=self.opt(f, "workloadName", path, self.string, ""),
             native_tunnel=self.opt(f, "nativeTunnel", path, self.boolean, False),
             application_tunnel=self.opt(f, "applicationTunnel", path, self.app_tunnel, None),
@@ -540,11 +533,6 @@ class _Parser:
 
     def capacity(self, node: Node, path: str) -> int:
         return self.integer(node, path, 0, 2**32 - 1)
-
-    def workload_type(self, node: Node, path: str) -> WorkloadType:
-        # Any string, as Rust's Strng field takes (it only feeds telemetry).
-        value = self.string(node, path)
-        return _WORKLOAD_TYPE.get(value.lower(), WorkloadType.DEPLOYMENT)
 
     def workload_services(self, node: Node, path: str) -> dict[str, dict[int, int]]:
         if not isinstance(node, MappingNode):

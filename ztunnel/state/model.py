@@ -164,7 +164,9 @@ class Workload:
     node: str = ""
     canonical_name: str = ""
     canonical_revision: str = ""
-    workload_type: WorkloadType = WorkloadType.DEPLOYMENT
+    # A string, as Rust's: xDS gives one of WorkloadType's names in lower case, a local config
+    # file whatever it says (empty when omitted). Only telemetry reads it.
+    workload_type: str = "deployment"
     workload_name: str = ""
     native_tunnel: bool = False
     application_tunnel: ApplicationTunnel | None = None

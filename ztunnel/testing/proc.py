@@ -30,6 +30,7 @@ class ZtunnelProcess:
         self.env = dict(env)
         self.loop = loop
         self.records: list[Record] = []
+        self.expected_errors: list[str] = []
         self.proc: NsProcess | None = None
         self._cond = threading.Condition()
         self._eof = False
@@ -118,14 +119,18 @@ class ZtunnelProcess:
             ]
 
     def internal_errors(self) -> list[Record]:
-        """Error records that are not access-log lines: unhandled exceptions, internal failures."""
+        """Error records that are not access-log lines: unhandled exceptions, internal failures
+        (but those a test caused on purpose: messages containing one of ``expected_errors``)."""
         with self._cond:
             return [
                 r
                 for r in self.records
-                if (r.get("level") == "error" and r.get("scope") != "access")
-                or "exception" in r
-                or "Traceback" in str(r.get("message", ""))
+                if (
+                    (r.get("level") == "error" and r.get("scope") != "access")
+                    or "exception" in r
+                    or "Traceback" in str(r.get("message", ""))
+                )
+                and not any(e in str(r.get("message", "")) for e in self.expected_errors)
             ]
 
     def runtime_stats(self, timeout: float = 5.0) -> Record:
@@ -135,8 +140,27 @@ class ZtunnelProcess:
         os.kill(self.pid, signal.SIGUSR1)
         return self.wait_for(lambda r: r.get("message") == "runtime stats", timeout, start=seen)
 
-    def fd_count(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
+    def fd_count(self, pid: int | None = None) -> int:
+        return len(os.listdir(f"/proc/{pid or self.pid}/fd"))
+
+    @property
+    def workers(self) -> int:
+        """The data-plane worker count this ztunnel runs with (Rust's rules, our env)."""
+        from ztunnel.config import worker_threads
+
+        return worker_threads({**os.environ, **self.env}, None)
+
+    def data_plane_pids(self) -> list[int]:
+        """The processes that serve connections: the workers (from their "ready" lines, the
+        latest per index), or ztunnel itself when it runs one."""
+        import re
+
+        pids: dict[int, int] = {}
+        with self._cond:
+            for r in self.records:
+                if m := re.fullmatch(r"worker (\d+) ready \(pid (\d+)\)", r.get("message", "")):
+                    pids[int(m[1])] = int(m[2])
+        return list(pids.values()) or [self.pid]
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM and wait for a graceful exit; returns the exit code (-1 if ztunnel logged an

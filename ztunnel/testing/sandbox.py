@@ -108,6 +108,7 @@ def _describe(rec: Record) -> str:
 def run(loop: str) -> int:
     with contextlib.ExitStack() as stack:
         tb = stack.enter_context(Testbed())
+        _say(f"test bed ztb{tb.tag}")
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ztunnel-sandbox-"))
         t0 = time.monotonic()
         node1, node2 = tb.add_node("node1"), tb.add_node("node2")

@@ -46,6 +46,7 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from ztunnel.config import Config
+from ztunnel.logs import RateLimitedLog
 from ztunnel.state.model import Authorization, Service, Workload
 from ztunnel.state.store import State
 from ztunnel.xds.control import CONNECT_TIMEOUT, ControlPlaneError, ControlPlaneTarget
@@ -71,6 +72,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_slow_demands = RateLimitedLog(log)
 
 _ADS = ds.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"]
 ADS_METHOD = f"/{_ADS.full_name}/{_ADS.methods_by_name['DeltaAggregatedResources'].name}"
@@ -327,7 +329,13 @@ class AdsClient:
             try:
                 await asyncio.wait_for(asyncio.shield(fut), timeout)
             except TimeoutError:
-                log.warning("xDS on-demand request for %s timed out after %.1fs", name, timeout)
+                # (a pod picks the names: one line per interval, however many time out)
+                _slow_demands.warning(
+                    "demand-timeout",
+                    "xDS on-demand request for %s timed out after %.1fs",
+                    name,
+                    timeout,
+                )
         finally:
             left = self._pending.get(name)
             if left is not None and fut in left:

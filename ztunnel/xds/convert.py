@@ -100,6 +100,7 @@ DEFAULT_CAPACITY = 1
 _LEGACY_ISTIO_MTLS = 2  # TunnelProtocol value ztunnel refuses (sidecar-style mTLS)
 
 _E = TypeVar("_E", bound=enum.Enum)
+_WORKLOAD_TYPE_VALUES = {t.name.lower(): t.value for t in WorkloadType}
 
 
 class ConversionError(ValueError):
@@ -242,7 +243,10 @@ def workload_from_proto(pb: wl_pb.Workload, field: str = "workload") -> Workload
         node=pb.node,
         canonical_name=pb.canonical_name,
         canonical_revision=pb.canonical_revision,
-        workload_type=_enum_or(WorkloadType, pb.workload_type, WorkloadType.DEPLOYMENT),
+        # Rust: resource.workload_type().as_str_name().to_lowercase() (unknown: deployment)
+        workload_type=_enum_or(
+            WorkloadType, pb.workload_type, WorkloadType.DEPLOYMENT
+        ).name.lower(),
         workload_name=pb.workload_name,
         native_tunnel=pb.native_tunnel,
         application_tunnel=app_tunnel,
@@ -491,7 +495,7 @@ def workload_to_proto(w: Workload) -> wl_pb.Workload:
         node=w.node,
         canonical_name=w.canonical_name,
         canonical_revision=w.canonical_revision,
-        workload_type=w.workload_type.value,  # type: ignore[arg-type]
+        workload_type=_WORKLOAD_TYPE_VALUES.get(w.workload_type, 0),  # type: ignore[arg-type]
         workload_name=w.workload_name,
         native_tunnel=w.native_tunnel,
         authorization_policies=list(w.authorization_policies),

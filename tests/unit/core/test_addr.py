@@ -46,10 +46,12 @@ def test_identity() -> None:
         "cluster.local/ns/a/sa/b",
         "spiffe://td/ns/a/sa",
         "spiffe://td/ns/a/xx/b",
-        "spiffe://td/ns//sa/b",
+        "spiffe://td/ns/a/sa/b/c",
     ]:
         with pytest.raises(ValueError):
             Identity.parse(bad)
+    # Rust Identity::from_str: empty parts are allowed.
+    assert Identity.parse("spiffe:///ns//sa/") == Identity("", "", "")
 
 
 @pytest.mark.both_loops

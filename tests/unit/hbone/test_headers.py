@@ -9,7 +9,7 @@ from ztunnel.hbone.headers import (
     request_headers,
     valid_traceparent,
 )
-from ztunnel.state.model import Locality, Workload, WorkloadType
+from ztunnel.state.model import Locality, Workload
 
 
 def wl(**kw: object) -> Workload:
@@ -21,7 +21,7 @@ def wl(**kw: object) -> Workload:
 def test_baggage_only_non_empty_fields_in_order() -> None:
     w = wl(
         workload_name="reviews-v1",
-        workload_type=WorkloadType.DEPLOYMENT,
+        workload_type="deployment",
         canonical_name="reviews",
         canonical_revision="v1",
         locality=Locality(region="r1", zone="z1"),
@@ -30,14 +30,14 @@ def test_baggage_only_non_empty_fields_in_order() -> None:
         "k8s.cluster.name=Kubernetes,k8s.namespace.name=ns,k8s.deployment.name=reviews-v1,"
         "service.name=reviews,service.version=v1,cloud.region=r1,cloud.availability_zone=z1"
     )
-    assert baggage(wl(workload_type=WorkloadType.CRONJOB, workload_name="c", cluster_id="")) == (
+    assert baggage(wl(workload_type="cronjob", workload_name="c", cluster_id="")) == (
         "k8s.namespace.name=ns,k8s.cronjob.name=c"
     )
     assert baggage(None) == ""
 
 
 def test_baggage_roundtrip_and_lenient_parse() -> None:
-    w = wl(workload_name="job1", workload_type=WorkloadType.JOB, canonical_name="svc")
+    w = wl(workload_name="job1", workload_type="job", canonical_name="svc")
     b = parse_baggage(baggage(w))
     assert b == Baggage(
         cluster_id="Kubernetes",

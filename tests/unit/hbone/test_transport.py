@@ -96,7 +96,7 @@ async def hbone_pair(
     server_h2: dict[str, int] | None = None,
 ) -> AsyncIterator[Pair]:
     tc, ts = tcp_pair()
-    (cs, ci, co), (ss, si, so) = await asyncio.gather(
+    (cs, ci, co, _), (ss, si, so, _) = await asyncio.gather(
         tls_handshake(tc, contexts[0], server_side=False),
         tls_handshake(ts, contexts[1], server_side=True),
     )

@@ -8,6 +8,7 @@ import ssl
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from ztunnel.core.identity import Identity
 from ztunnel.identity.certs import WorkloadCertificate
@@ -158,3 +159,54 @@ def test_tls12_enabled_adds_tls12(ca: LocalCA) -> None:
             assert res.cipher is not None and res.cipher.startswith("ECDHE-")
         else:
             assert not res.ok
+
+
+def test_live_chain_recheck_covers_every_certificate_but_the_anchor(
+    ca: LocalCA, tmp_path: Path
+) -> None:
+    # Rust chain_is_revoked (run by RevocationIndex::navigate after a reload): verify_cert_chain
+    # with RevocationCheckDepth::Chain on the connection's verified chain, so a revoked leaf or
+    # intermediate counts; the trust anchor itself is never checked; no CRL from an issuer is
+    # UnknownStatusPolicy::Allow.
+    inter = intermediate_ca(ca)
+    leaf = issue_via(ca, inter, CLIENT)
+    direct = ca.issue(CLIENT)
+    chain = (inter.root_cert, ca.root_cert)  # as osslverify records it: issuer first
+    path = tmp_path / "crl.pem"
+    path.write_bytes(b"")
+    clock = Clock()
+    crl = CrlManager(path, clock=clock)
+    rows = [
+        # (CRL file, peer leaf, chain above it, revoked?)
+        (b"", leaf, chain, False),
+        (revocation_list(inter, [leaf.serial]), leaf, chain, True),  # leaf, by its issuer
+        (revocation_list(ca, [inter.root_cert.serial_number]), leaf, chain, True),  # intermediate
+        (revocation_list(ca, [ca.root_cert.serial_number]), leaf, chain, False),  # the anchor
+        (revocation_list(ca, [leaf.serial]), leaf, chain, False),  # not the leaf's issuer
+        (revocation_list(inter, [leaf.serial], signer=ca), leaf, chain, False),  # forged
+        (revocation_list(inter, [leaf.serial]), leaf, (ca.root_cert,), False),  # unknown issuer
+        (revocation_list(ca, [direct.serial]), direct, (ca.root_cert,), True),
+        # Our own CA certificates in any order stand in for an unrecorded chain.
+        (revocation_list(ca, [inter.root_cert.serial_number]), leaf, chain[::-1], True),
+    ]
+    for number, (data, cert, above, revoked) in enumerate(rows, start=2):
+        write(path, data)
+        clock.now += 2
+        crl.maybe_reload()
+        assert crl.generation == number
+        assert crl.revoked_chain(cert.leaf.public_bytes(Encoding.DER), above) is revoked, (
+            number,
+            revoked,
+        )
+
+
+def test_a_changed_file_is_seen_at_the_very_next_check(ca: LocalCA, tmp_path: Path) -> None:
+    # One stat per check, no throttle: with several data-plane workers, each decides with the
+    # new file from its next handshake on, so they never disagree for a second.
+    client = ca.issue(CLIENT)
+    path = tmp_path / "crl.pem"
+    path.write_bytes(b"")
+    server = with_policy(ca.issue(SERVER), TlsPolicy(crl=CrlManager(path, clock=Clock())))
+    assert handshake(server_context(server), client_context(client)).ok
+    write(path, revocation_list(ca, [client.serial], number=2))
+    assert not handshake(server_context(server), client_context(client)).ok

@@ -65,3 +65,49 @@ def test_unrecognised_layout_installs_nothing_and_crl_refuses(
         server_context(cert)
     # Without a CRL the context builds (the trust domain is checked after the handshake).
     assert server_context(ca.issue(SERVER)) is not None
+
+
+def _bio_handshake(
+    cctx: ssl.SSLContext, sctx: ssl.SSLContext
+) -> tuple[ssl.SSLObject, ssl.SSLObject]:
+    """A complete handshake between two SSLObjects over memory BIOs."""
+    ci, co, si, so = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = cctx.wrap_bio(ci, co, server_side=False)
+    server = sctx.wrap_bio(si, so, server_side=True)
+    done = [False, False]
+    for _ in range(10):
+        for i, (obj, out, peer_in) in enumerate(((client, co, si), (server, so, ci))):
+            try:
+                obj.do_handshake()
+                done[i] = True
+            except ssl.SSLWantReadError:
+                pass
+            if out.pending:
+                peer_in.write(out.read())
+        if all(done):
+            return client, server
+    raise AssertionError("handshake did not complete")
+
+
+def test_verified_chain_recorded_per_connection_and_handed_over_once() -> None:
+    # What a CRL reload re-checks (Rust ConnRegistration keeps the verified chain): the chain
+    # above the leaf, intermediates first, the trust anchor last, for each side's peer.
+    from ztunnel.testing.certs import intermediate_ca, issue_via
+
+    root = LocalCA.ephemeral()
+    inter = intermediate_ca(root)
+    server_cert = issue_via(root, inter, SERVER)
+    client_cert = root.issue(CLIENT)
+    sctx = server_context(server_cert)  # (the trust-domain check installs the callback)
+    cctx = client_context(client_cert)
+    assert osslverify.install(cctx, lambda c: None)
+    for _ in range(2):  # a second connection gets its own record (the CA objects are shared)
+        client, server = _bio_handshake(cctx, sctx)
+        got = osslverify.take_verified_chain(client)
+        assert [c.subject for c in got] == [inter.root_cert.subject, root.root_cert.subject]
+        assert osslverify.take_verified_chain(client) == ()  # handed over, not kept
+        assert osslverify.take_verified_chain(server) == (root.root_cert,)
+    # No callback on the client context (no CRL): nothing recorded, nothing stale returned.
+    client, server = _bio_handshake(client_context(root.issue(CLIENT)), sctx)
+    assert osslverify.take_verified_chain(client) == ()
+    assert osslverify.take_verified_chain(server) == (root.root_cert,)

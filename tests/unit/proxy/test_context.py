@@ -23,12 +23,14 @@ workloads:
 - uid: c//v1/Pod/default/client
   name: client
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: client
   workloadIps: ["10.0.1.2"]
   protocol: HBONE
 - uid: c//v1/Pod/default/server
   name: server
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: server
   workloadIps: ["10.0.2.2"]
   protocol: HBONE

@@ -19,12 +19,14 @@ workloads:
 - uid: c//v1/Pod/default/client
   name: client
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: client
   workloadIps: ["10.0.1.2"]
   protocol: HBONE
 - uid: c//v1/Pod/default/actual-ew-gtw
   name: actual-ew-gtw
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: actual-ew-gtw
   workloadIps: ["10.1.0.9"]
   network: remote
@@ -33,6 +35,7 @@ workloads:
 - uid: c//v1/Pod/default/local-remote-workload
   name: local-remote-workload
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: actual-ew-gtw
   network: remote
   protocol: HBONE
@@ -43,6 +46,7 @@ workloads:
 - uid: c//v1/Pod/default/ew-gtw-pod
   name: ew-gtw-pod
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: actual-ew-gtw
   workloadIps: ["10.1.0.10"]
   network: remote
@@ -52,6 +56,7 @@ workloads:
 - uid: c//v1/Pod/default/local-remote-workload-svc-gtw
   name: local-remote-workload-svc-gtw
   namespace: default
+  trustDomain: cluster.local
   network: remote
   protocol: HBONE
   networkGateway:
@@ -62,6 +67,7 @@ workloads:
 - uid: c//v1/Pod/default/lost
   name: lost
   namespace: default
+  trustDomain: cluster.local
   network: remote
   protocol: HBONE
   networkGateway: {destination: "remote/10.1.0.250", hboneMtlsPort: 15008}

@@ -20,12 +20,14 @@ workloads:
 - uid: c//v1/Pod/default/client
   name: client
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: client
   workloadIps: ["10.0.1.2", "fd00:1::2"]
   protocol: HBONE
 - uid: c//v1/Pod/default/waypoint
   name: waypoint
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: waypoint
   hostname: waypoint.example.com
   workloadIps: ["10.0.3.2", "fd00:3::2"]
@@ -35,12 +37,14 @@ workloads:
 - uid: c//v1/Pod/default/waypoint2
   name: waypoint2
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: waypoint2
   workloadIps: ["10.0.3.3"]
   protocol: HBONE
 - uid: c//v1/Pod/default/server
   name: server
   namespace: default
+  trustDomain: cluster.local
   serviceAccount: server
   workloadIps: ["10.0.2.2", "fd00:2::2"]
   protocol: HBONE
@@ -50,6 +54,7 @@ workloads:
 - uid: c//v1/Pod/default/server-by-svc-host
   name: server-by-svc-host
   namespace: default
+  trustDomain: cluster.local
   workloadIps: ["10.0.2.3", "fd00:2::3"]
   protocol: HBONE
   waypoint:
@@ -57,18 +62,21 @@ workloads:
 - uid: c//v1/Pod/default/server-by-wl-host
   name: server-by-wl-host
   namespace: default
+  trustDomain: cluster.local
   workloadIps: ["10.0.2.4", "fd00:2::4"]
   protocol: HBONE
   waypoint: {destination: {namespace: default, hostname: waypoint.example.com}}
 - uid: c//v1/Pod/default/server-by-svc-vip
   name: server-by-svc-vip
   namespace: default
+  trustDomain: cluster.local
   workloadIps: ["10.0.2.5"]
   protocol: HBONE
   waypoint: {destination: "/10.96.0.99", hboneMtlsPort: 15008}
 - uid: c//v1/Pod/default/server-missing
   name: server-missing
   namespace: default
+  trustDomain: cluster.local
   workloadIps: ["10.0.2.6"]
   protocol: HBONE
   waypoint: {destination: "/10.0.9.9", hboneMtlsPort: 15008}

@@ -32,7 +32,6 @@ from ztunnel.state.model import (
     StringMatchKind,
     TunnelProtocol,
     WorkloadStatus,
-    WorkloadType,
 )
 from ztunnel.state.store import State
 
@@ -113,8 +112,10 @@ def test_rust_shape_loads_and_applies() -> None:
     assert local.protocol is TunnelProtocol.HBONE
     assert cfg.workloads[1].protocol is TunnelProtocol.NONE
     assert local.services == {"default/example.com": {80: 8080}, "default/example2.com": {80: 8080}}
-    # Defaults the file leaves out.
-    assert local.trust_domain == "cluster.local"
+    # Defaults the file leaves out: Rust's serde defaults (src/state/workload.rs Workload), not
+    # the xDS conversion's.
+    assert local.trust_domain == ""
+    assert str(local.identity) == "spiffe:///ns/default/sa/default"
     assert local.cluster_id == ""  # Rust file mode: no clusterId means empty
     assert local.capacity == 1
     assert local.status is WorkloadStatus.HEALTHY
@@ -255,7 +256,7 @@ def test_every_field() -> None:
         "v2",
         "app-v2",
     )
-    assert full.workload_type is WorkloadType.POD
+    assert full.workload_type == "pod"
     assert full.native_tunnel is True
     assert full.application_tunnel == ApplicationTunnel(AppTunnelProtocol.PROXY, 15088)
     assert full.authorization_policies == ("ns/sel",)
@@ -276,7 +277,7 @@ def test_every_field() -> None:
     assert dns.uid == "Kubernetes//v1/Pod/ns/dns"  # synthesised the way istiod names pods
     assert dns.addresses == () and dns.hostname == "dns.example.com"
     assert dns.network_mode is NetworkMode.HOST_NETWORK
-    assert dns.service_account == "default"
+    assert dns.service_account == ""  # Rust: serde default
     assert dns.waypoint == GatewayAddress(
         hostname=NamespacedHostname("ns", "wp.ns.svc.cluster.local")
     )
@@ -348,11 +349,13 @@ def test_empty_documents(text: str) -> None:
 def test_workload_defaults() -> None:
     cfg = load_local_config("workloads:\n- namespace: ns\n  name: a\n  trustDomain: ''\n")
     (w,) = cfg.workloads
-    assert (w.uid, w.trust_domain, w.service_account, w.cluster_id) == (
+    # Rust: serde defaults, empty (no clusterId in baggage; identity spiffe:///ns/ns/sa/)
+    assert (w.uid, w.trust_domain, w.service_account, w.cluster_id, w.workload_type) == (
         "Kubernetes//v1/Pod/ns/a",
-        "cluster.local",
-        "default",
-        "",  # Rust: serde default, empty (no clusterId in baggage)
+        "",
+        "",
+        "",
+        "",
     )
     assert (w.protocol, w.capacity, w.addresses, w.network, w.services) == (
         TunnelProtocol.NONE,

@@ -42,7 +42,6 @@ from ztunnel.state.model import (
     WeightedWaypoint,
     Workload,
     WorkloadStatus,
-    WorkloadType,
 )
 from ztunnel.xds.convert import (
     ConversionError,
@@ -173,7 +172,7 @@ def test_workload_every_field() -> None:
         node="node-a",
         canonical_name="sleep-canonical",
         canonical_revision="v1",
-        workload_type=WorkloadType.POD,
+        workload_type="pod",
         workload_name="sleep-deploy",
         native_tunnel=True,
         application_tunnel=ApplicationTunnel(AppTunnelProtocol.PROXY, 15088),
@@ -201,7 +200,7 @@ def test_workload_defaults() -> None:
     assert w.protocol is TunnelProtocol.NONE
     assert w.status is WorkloadStatus.HEALTHY
     assert w.network_mode is NetworkMode.STANDARD
-    assert w.workload_type is WorkloadType.DEPLOYMENT
+    assert w.workload_type == "deployment"
     assert w.locality == Locality()
     assert w.waypoint is None and w.network_gateway is None and w.application_tunnel is None
     assert w.addresses == () and w.services == {}
@@ -225,7 +224,7 @@ def test_ipv4_mapped_addresses_stay_ipv6() -> None:
 def test_unknown_telemetry_enum_falls_back() -> None:
     w = decode_address(workload_address(s(20, "u"), vi(12, 99)))  # workload_type 99
     assert isinstance(w, Workload)
-    assert w.workload_type is WorkloadType.DEPLOYMENT
+    assert w.workload_type == "deployment"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,240 @@
+"""Data-plane workers (``ZTUNNEL_WORKER_THREADS=2``), end to end in a pod with istio-cni's rules:
+connections spread over both workers, counted once in the metrics and listed once by the admin
+views; a killed worker is restarted and only its own connections are lost; /logging reaches the
+workers; SIGTERM drains them all."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from ztunnel.testing.apps import connect_from, recv_line, start_app
+from ztunnel.testing.netns import External, Pod, Testbed
+from ztunnel.testing.proc import ZtunnelProcess
+from ztunnel.testing.xdsbed import http_get, metric
+
+pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("require_root"), pytest.mark.timeout(120)]
+
+
+@dataclass
+class Bed:
+    tb: Testbed
+    client: Pod
+    ext: External
+    zt: ZtunnelProcess
+
+    def workers(self) -> dict[int, int]:
+        """worker index -> pid, from the latest "worker N ready (pid P)" lines."""
+        out: dict[int, int] = {}
+        for r in self.zt.records:
+            if m := re.fullmatch(r"worker (\d+) ready \(pid (\d+)\)", r.get("message", "")):
+                out[int(m[1])] = int(m[2])
+        return out
+
+    def connections(self) -> list[dict[str, object]]:
+        status, body = http_get(self.client, 15000, "/debug/connections")
+        assert status == 200, body
+        rows: list[dict[str, object]] = json.loads(body)["connections"]
+        return rows
+
+    def metrics(self) -> str:
+        status, body = http_get(self.client, 15020, "/stats/prometheus")
+        assert status == 200
+        return body
+
+
+@contextlib.contextmanager
+def build(workers: str = "2") -> Iterator[Bed]:
+    with Testbed() as tb:
+        n1 = tb.add_node("n1")
+        client = n1.add_pod("client")
+        ext = tb.add_external("ext")
+        client.install_inpod_rules()
+        zt = ZtunnelProcess(
+            client,
+            {
+                "PROXY_MODE": "dedicated",
+                "PROXY_WORKLOAD_INFO": "default/client/client",
+                "NODE_NAME": "n1",
+                "ZTUNNEL_WORKER_THREADS": workers,
+                "LOCAL_XDS": f"""
+workloads:
+- uid: cluster1//v1/Pod/default/client
+  name: client
+  namespace: default
+  serviceAccount: client
+  trustDomain: cluster.local
+  workloadIps: ["{client.ip4}"]
+  protocol: TCP
+  node: n1
+""",
+            },
+        ).start()
+        try:
+            yield Bed(tb, client, ext, zt)
+        finally:
+            zt.expected_errors.append("exited; restarting it")  # (the worker killed here)
+            rc = zt.stop()
+            assert rc == 0, f"ztunnel exited with {rc}: {zt.internal_errors()}"
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[Bed]:
+    with build() as b:
+        b.zt.wait_for(lambda r: r.get("message") == "2 data-plane workers running")
+        yield b
+
+
+def _hold(bed: Bed, port: int, n: int) -> list[socket.socket]:
+    """``n`` echo connections through ztunnel, each proven open by a round trip."""
+    socks = []
+    for i in range(n):
+        s = connect_from(bed.client, bed.ext.ip4, port, timeout=10).__enter__()
+        s.sendall(f"hello {i}\n".encode())
+        assert recv_line(s) == f"hello {i}"
+        socks.append(s)
+    return socks
+
+
+def _post(bed: Bed, target: str) -> int:
+    with connect_from(bed.client, "127.0.0.1", 15000, timeout=5) as s:
+        s.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        return int(recv_line(s).split()[1])
+
+
+def _wait(pred: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_two_worker_processes_beside_the_supervisor(bed: Bed) -> None:
+    pids = bed.workers()
+    assert sorted(pids) == [0, 1]
+    assert len(set(pids.values()) | {bed.zt.pid}) == 3
+    for pid in pids.values():
+        assert os.path.exists(f"/proc/{pid}")
+
+
+def test_connections_spread_over_both_workers_and_are_counted_once(bed: Bed) -> None:
+    echo = start_app(bed.ext, "echo", ports=(9101,))
+    before = metric(bed.metrics(), "istio_tcp_connections_opened_total", reporter="source")
+    socks = _hold(bed, 9101, 40)
+    try:
+        rows = [r for r in bed.connections() if str(r["dst"]).endswith(":9101")]
+        assert len(rows) == 40  # every connection listed once, whichever worker has it
+        owners = {str(r["id"]).split("-")[0] for r in rows}
+        assert owners == {"w0", "w1"}, owners  # both workers accept from the shared queue
+        assert all(r["direction"] == "outbound" for r in rows)
+        opened = metric(bed.metrics(), "istio_tcp_connections_opened_total", reporter="source")
+        assert opened - before == 40  # summed over the workers, once each
+        assert metric(bed.metrics(), "istio_build", component="ztunnel") == 1  # the supervisor's
+    finally:
+        for s in socks:
+            s.close()
+    _wait(lambda: not [r for r in bed.connections() if str(r["dst"]).endswith(":9101")])
+    closed = metric(bed.metrics(), "istio_tcp_connections_closed_total", reporter="source")
+    assert closed >= 40
+    echo.stop()
+
+
+def test_config_dump_lists_every_workers_connections(bed: Bed) -> None:
+    echo = start_app(bed.ext, "echo", ports=(9102,))
+    socks = _hold(bed, 9102, 10)
+    try:
+        status, body = http_get(bed.client, 15000, "/config_dump")
+        assert status == 200
+        dump = json.loads(body)
+        (state,) = dump["workloadState"].values()
+        out = [c for c in state["connections"]["outbound"] if c["actualDst"].endswith(":9102")]
+        assert len(out) == 10
+        assert dump["config"]["numWorkerThreads"] == 2
+    finally:
+        for s in socks:
+            s.close()
+    echo.stop()
+
+
+def test_a_killed_worker_is_restarted_and_only_its_connections_are_lost(bed: Bed) -> None:
+    echo = start_app(bed.ext, "echo", ports=(9103,))
+    socks = _hold(bed, 9103, 20)
+    try:
+        rows = {
+            int(str(r["src"]).rsplit(":", 1)[1]): str(r["id"]).split("-")[0]
+            for r in bed.connections()
+            if str(r["dst"]).endswith(":9103")
+        }
+        by_port = {s.getsockname()[1]: s for s in socks}
+        victim_pid = bed.workers()[0]
+        restarts = len(bed.zt.records)
+        os.kill(victim_pid, signal.SIGKILL)
+        bed.zt.wait_for(lambda r: r.get("message", "").startswith("worker 0 (pid"), timeout=10)
+        for port, owner in rows.items():
+            s = by_port[port]
+            s.settimeout(5)
+            if owner == "w1":  # the survivor's connections still carry data
+                s.sendall(b"still here\n")
+                assert recv_line(s) == "still here"
+            else:  # the killed worker's are closed
+                with contextlib.suppress(OSError):
+                    s.sendall(b"gone?\n")
+                with contextlib.suppress(OSError):
+                    assert s.recv(100) == b""
+        bed.zt.wait_for(
+            lambda r: (
+                re.fullmatch(r"worker 0 ready \(pid \d+\)", r.get("message", "")) is not None
+                and bed.zt.records.index(r) >= restarts
+            ),
+            timeout=15,
+        )
+        assert bed.workers()[0] != victim_pid
+        # New connections are served by both again, and the readiness probe is back.
+        _wait(lambda: http_get(bed.client, 15021, "/healthz/ready")[0] == 200)
+        more = _hold(bed, 9103, 20)
+        owners = {
+            str(r["id"]).split("-")[0] for r in bed.connections() if str(r["dst"]).endswith(":9103")
+        }
+        assert "w0" in owners
+        for s in more:
+            s.close()
+    finally:
+        for s in socks:
+            s.close()
+    echo.stop()
+
+
+def test_log_level_changes_reach_the_workers(bed: Bed) -> None:
+    echo = start_app(bed.ext, "echo", ports=(9104,))
+    assert _post(bed, "/logging?level=access=error") == 200
+    with connect_from(bed.client, bed.ext.ip4, 9104) as s:
+        s.sendall(b"x\n")
+        assert recv_line(s) == "x"
+    time.sleep(0.5)
+    assert not [r for r in bed.zt.access() if str(r.get("dst.addr", "")).endswith(":9104")]
+    assert _post(bed, "/logging?level=access=debug") == 200
+    with connect_from(bed.client, bed.ext.ip4, 9104) as s:
+        s.sendall(b"y\n")
+        assert recv_line(s) == "y"
+    bed.zt.wait_for(
+        lambda r: (
+            r.get("message") == "connection complete"
+            and str(r.get("dst.addr", "")).endswith(":9104")
+        )
+    )
+    echo.stop()
+
+
+def test_one_worker_runs_in_one_process() -> None:
+    with build("1") as b:
+        assert not b.workers()
+        assert not [r for r in b.zt.records if "data-plane workers" in r.get("message", "")]

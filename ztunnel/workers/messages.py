@@ -1,0 +1,141 @@
+"""What the supervisor and its workers say to each other (pickled over ``ipc.Channel``).
+
+Supervisor -> worker:
+    Hello             the config and the log levels in force; first message
+    StateOps          workloads/services/policies to upsert (object) or remove (None), in order
+    Cert / CertGone   a certificate for an identity a worker asked for (also every renewal) /
+                      the identity left the node
+    AddPod            a pod's (or the dedicated proxy's) listening sockets, and its netns, as fds
+    RemovePod         stop serving it (drain for ``deadline`` seconds), then Reply
+    Query             "metrics" | "live" | "stats" | "profile", then Reply
+    Demanded          an on-demand xDS fetch the worker asked for has been answered
+    SetLogLevel       a /logging change
+(The supervisor stops a worker by closing its channel, once every pod was removed.)
+
+Worker -> supervisor:
+    Ready             after Hello; carries the pid
+    CertRequest       an identity the worker needs a certificate for
+    Demand            XDS_ON_DEMAND: fetch this resource name
+    Reply             the answer to a request id
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ztunnel.config import Config, WorkloadInfo
+from ztunnel.core.identity import Identity
+from ztunnel.proxy.sockets import ListenKey
+
+# A state op: ("workload" | "service" | "policy", key, the object or None for a removal).
+StateOp = tuple[str, str, Any]
+# A certificate as DER: (PKCS#8 key, leaf, intermediates, roots).
+CertBundle = tuple[bytes, bytes, tuple[bytes, ...], tuple[bytes, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    config: Config
+    log_spec: str
+
+
+@dataclass(frozen=True, slots=True)
+class StateOps:
+    ops: list[StateOp]
+
+
+@dataclass(frozen=True, slots=True)
+class Cert:
+    identity: Identity
+    bundle: CertBundle | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CertGone:
+    identity: Identity
+
+
+@dataclass(frozen=True, slots=True)
+class AddPod:
+    """fds: the netns first when ``has_netns``, then one per ``keys`` entry."""
+
+    key: int
+    name: str
+    info: WorkloadInfo
+    keys: tuple[ListenKey, ...]
+    has_netns: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RemovePod:
+    key: int
+    deadline: float
+    request: int
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    what: str  # "metrics" | "live" | "stats" | "profile" (args: seconds, frequency)
+    request: int
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Demanded:
+    request: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetLogLevel:
+    spec: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class CertRequest:
+    identity: Identity
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    name: str
+    request: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    request: int
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionSnapshot:
+    """A live connection as a worker reports it (what /config_dump's ``workloadState`` and
+    /debug/connections read from a ``ConnectionRecord``); ``row_id`` is stable for its life."""
+
+    row_id: str
+    direction: str
+    src: Any
+    dst: Any
+    orig_dst: Any
+    for_host: str | None
+    hbone_addr: Any
+    mtls: bool
+    double_hbone: bool
+    src_identity: Identity | None
+    dst_identity: Identity | None
+    src_workload: Any
+    dst_workload: Any
+    dst_service: Any
+    started: float
+    sent: int
+    recv: int
+
+    def live_bytes(self) -> tuple[int, int]:
+        return self.sent, self.recv

@@ -1,0 +1,428 @@
+"""The supervisor's side of the workers: spawn them, keep them fed, restart the ones that die.
+
+The supervisor keeps the control plane (ZDS, xDS, the CA, admin, metrics) and binds every
+listening socket itself, inside the pod's netns as today: ``RemoteInstance`` is a ProxyInstance
+that binds but never accepts; its ``start`` hands the sockets (and the netns) to every worker,
+which all accept from the same kernel queues. A pod's bind failure is therefore still the
+supervisor's to report to the node agent, and a worker that dies loses only the connections it
+had accepted: the listeners stay open in the supervisor and the other workers.
+
+Each worker gets: the config; the state (a snapshot, then every change in order, batched per
+loop turn); certificates on request, and every renewal pushed; every pod's sockets. On-demand
+xDS lookups are forwarded here and answered once the state they brought was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from prometheus_client import CollectorRegistry
+
+from ztunnel.admin.profiling import CpuProfile
+from ztunnel.admin.readiness import Readiness
+from ztunnel.config import Config
+from ztunnel.core.identity import Identity
+from ztunnel.dataplane import DataPlane
+from ztunnel.identity.certs import WorkloadCertificate
+from ztunnel.identity.manager import SecretManager
+from ztunnel.metrics import RegistryValues, merged_registry
+from ztunnel.proxy.instance import ProxyInstance
+from ztunnel.state.store import ChangeKind, State, StateChange
+from ztunnel.workers import messages as m
+from ztunnel.workers.ipc import Channel, ChannelClosed, encode
+from ztunnel.workers.zygote import Zygote
+
+log = logging.getLogger("ztunnel.workers")
+
+START_TIMEOUT = 30.0
+QUERY_TIMEOUT = 5.0
+RESTART_DELAY = 1.0
+MAX_BACKLOG = 256 * 1024 * 1024  # bytes queued to one worker (state snapshots of huge meshes)
+
+
+class WorkerStartError(Exception):
+    """The workers did not come up."""
+
+
+def cert_bundle(cert: WorkloadCertificate) -> m.CertBundle:
+    def build() -> m.CertBundle:
+        der = serialization.Encoding.DER
+        key = cert.private_key.private_bytes(
+            der, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        return (
+            key,
+            cert.leaf.public_bytes(der),
+            tuple(c.public_bytes(der) for c in cert.intermediates),
+            tuple(c.public_bytes(der) for c in cert.roots),
+        )
+
+    bundle: m.CertBundle = cert.memo("worker_bundle", build)
+    return bundle
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    channel: Channel | None = None
+    pid: int = 0
+    ready: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    requests: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+    certs: set[Identity] = field(default_factory=set)
+
+    def send(self, msg: Any, fds: Iterable[int] = (), *, encoded: bytes | None = None) -> bool:
+        if self.channel is None or self.channel.closed:
+            return False
+        try:
+            self.channel.send_encoded(encode(msg) if encoded is None else encoded, list(fds))
+        except ChannelClosed:
+            return False
+        if self.channel.pending_bytes > MAX_BACKLOG and self.pid:
+            # A worker that stopped reading (stuck) would make us queue without bound: it is
+            # killed, and restarted like one that died.
+            log.error(
+                "worker %d (pid %d) is not reading its channel; killing it", self.index, self.pid
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.channel.close()
+            return False
+        return True
+
+
+class RemoteInstance(ProxyInstance):
+    """A pod's listeners, bound here and served by the workers."""
+
+    def __init__(self, pool: WorkerPool, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pool = pool
+        self.key = pool.new_key()
+        self.live: list[m.ConnectionSnapshot] = []  # as of the last refresh
+
+    def start(self) -> None:
+        for lst in self.listeners:
+            log.info("%s listening on %s:%d", lst.name, *lst.address)
+        self.pool.add(self)
+
+    async def drain(self, deadline: float) -> int:
+        # Our copies go first: the kernel queues stay only while some worker still listens
+        # (each closes its own as its drain starts), so no connection waits in a queue that
+        # nobody accepts from (another ztunnel bound beside us gets it instead).
+        for comp in self.companions:
+            comp.abort()
+        for sock in self.sockets.bound.values():
+            sock.close()
+        return await self.pool.remove(self, deadline)
+
+    def recheck_policies(self) -> int:
+        return 0  # (each worker re-checks its own connections)
+
+    def live_connections(self) -> Iterable[Any]:
+        return self.live
+
+    @property
+    def active_connections(self) -> int:
+        return len(self.live)
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        config: Config,
+        state: State,
+        secrets: SecretManager,
+        zygote: Zygote,
+        readiness: Readiness,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.config = config
+        self.n = config.num_worker_threads
+        self.state = state
+        self.secrets = secrets
+        self.zygote = zygote
+        self.registry = registry
+        self.log_spec = config.rust_log
+        self.token = readiness.register("workers")
+        self.workers: dict[int, _Worker] = {}
+        self.pods: dict[int, RemoteInstance] = {}
+        self.restarts = 0
+        self._keys = 0
+        self._requests = 0
+        self._pending: dict[tuple[ChangeKind, str], None] = {}
+        self._flush_scheduled = False
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._metrics_memo: dict[str, dict[tuple[str, ...], Any]] = {}
+        state.subscribe(self._on_state_change)
+        secrets.on_certificate = self._on_certificate
+        secrets.on_forget = self._on_forget
+
+    def attach(self, dataplane: DataPlane) -> None:
+        """Make ``dataplane.build`` construct RemoteInstances."""
+        dataplane.instance_class = functools.partial(RemoteInstance, self)
+
+    def new_key(self) -> int:
+        self._keys += 1
+        return self._keys
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for i in range(self.n):
+            self._spawn(i)
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                await asyncio.gather(*(w.ready for w in self.workers.values()))
+        except (TimeoutError, ConnectionError) as e:
+            raise WorkerStartError(f"data-plane workers did not start: {e!r}") from None
+        log.info("%d data-plane workers running", self.n)
+
+    def _spawn(self, index: int) -> None:
+        if self._closing:
+            return
+        self._flush()  # (the snapshot below must include everything sent to the others)
+        w = _Worker(index)
+        self.workers[index] = w
+        try:
+            sock = self.zygote.spawn(index)
+        except OSError as e:
+            log.error("cannot start worker %d: the zygote is gone (%s)", index, e)
+            w.ready.set_exception(ConnectionError(f"worker {index}: {e}"))
+            w.ready.exception()
+            return
+        w.channel = Channel(
+            sock, functools.partial(self._on_message, w), functools.partial(self._on_close, w)
+        )
+        w.send(m.Hello(self.config, self.log_spec))
+        w.send(m.StateOps(self._snapshot()))
+        for inst in self.pods.values():
+            self._send_pod(w, inst)
+
+    def _on_close(self, w: _Worker) -> None:
+        for fut in w.requests.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"worker {w.index} exited"))
+        w.requests.clear()
+        if not w.ready.done():
+            w.ready.set_exception(ConnectionError(f"worker {w.index} exited during start-up"))
+            w.ready.exception()  # (retrieved: a restart may never await it)
+        if self._closing or self.workers.get(w.index) is not w:
+            return
+        self.restarts += 1
+        log.error("worker %d (pid %d) exited; restarting it", w.index, w.pid)
+        self.token.not_ready_again()
+        asyncio.get_running_loop().call_later(RESTART_DELAY, self._spawn, w.index)
+
+    async def close(self) -> None:
+        """Stop every worker (their proxies were drained before) and the zygote."""
+        self._closing = True
+        pids = [w.pid for w in self.workers.values() if w.pid]
+        for w in self.workers.values():
+            if w.channel is not None:
+                w.channel.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        deadline = time.monotonic() + 2.0
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if _alive(p)]
+            if pids:
+                await asyncio.sleep(0.02)
+        self.zygote.close()
+
+    # --- messages from workers -----------------------------------------------------------------
+
+    def _on_message(self, w: _Worker, msg: Any, fds: list[int]) -> None:
+        for fd in fds:  # (workers send none)
+            os.close(fd)
+        if isinstance(msg, m.Reply):
+            fut = w.requests.pop(msg.request, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.value)
+        elif isinstance(msg, m.CertRequest):
+            w.certs.add(msg.identity)
+            self._task(self._serve_cert(w, msg.identity))
+        elif isinstance(msg, m.Demand):
+            self._task(self._serve_demand(w, msg))
+        elif isinstance(msg, m.Ready):
+            w.pid = msg.pid
+            if not w.ready.done():
+                w.ready.set_result(None)
+            log.info("worker %d ready (pid %d)", w.index, w.pid)
+            if all(x.ready.done() and x.pid for x in self.workers.values()):
+                self.token.done()
+
+    def _task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve_cert(self, w: _Worker, identity: Identity) -> None:
+        try:
+            cert = await self.secrets.fetch_certificate(identity)
+        except Exception as e:  # (CertificateError, or anything: the worker must get an answer)
+            w.send(m.Cert(identity, None, str(e) or type(e).__name__))
+        else:
+            w.send(m.Cert(identity, cert_bundle(cert)))
+
+    async def _serve_demand(self, w: _Worker, msg: m.Demand) -> None:
+        demander = self.state.demander
+        try:
+            if demander is not None:
+                await demander(msg.name)
+        finally:
+            self._flush()
+            w.send(m.Demanded(msg.request))
+
+    # --- certificates --------------------------------------------------------------------------
+
+    def _on_certificate(self, identity: Identity, cert: WorkloadCertificate) -> None:
+        for w in self.workers.values():
+            if identity in w.certs:
+                w.send(m.Cert(identity, cert_bundle(cert)))
+
+    def _on_forget(self, identity: Identity) -> None:
+        for w in self.workers.values():
+            if identity in w.certs:
+                w.certs.discard(identity)
+                w.send(m.CertGone(identity))
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def _on_state_change(self, change: StateChange) -> None:
+        key = (change.kind, change.key)
+        self._pending.pop(key, None)  # (moved to the end: ops stay in last-change order)
+        self._pending[key] = None
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _op(self, kind: ChangeKind, key: str) -> m.StateOp:
+        s = self.state
+        if kind is ChangeKind.WORKLOAD:
+            return ("workload", key, s.find_workload_by_uid(key))
+        if kind is ChangeKind.SERVICE:
+            return ("service", key, s.find_service(key))
+        return ("policy", key, s.find_policy(key))
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._pending:
+            return
+        ops = [self._op(kind, key) for kind, key in self._pending]
+        self._pending.clear()
+        msg = m.StateOps(ops)
+        payload = encode(msg)  # (once for every worker)
+        for w in self.workers.values():
+            w.send(msg, encoded=payload)
+
+    def _snapshot(self) -> list[m.StateOp]:
+        s = self.state
+        ops: list[m.StateOp] = [("workload", w.uid, w) for w in s.workloads()]
+        ops += [("service", x.key, x) for x in s.services()]
+        ops += [("policy", p.key, p) for p in s.policies()]
+        return ops
+
+    # --- pods ----------------------------------------------------------------------------------
+
+    def add(self, inst: RemoteInstance) -> None:
+        self._flush()
+        self.pods[inst.key] = inst
+        for w in self.workers.values():
+            self._send_pod(w, inst)
+
+    def _send_pod(self, w: _Worker, inst: RemoteInstance) -> None:
+        keys = tuple(inst.sockets.bound)
+        fds = [s.fileno() for s in inst.sockets.bound.values()]
+        netns = inst.sockets.netns_fd
+        if netns is not None:
+            fds.insert(0, netns)
+        w.send(m.AddPod(inst.key, inst.name, inst.info, keys, netns is not None), fds)
+
+    async def remove(self, inst: RemoteInstance, deadline: float) -> int:
+        """Every worker drains the pod (for ``deadline`` seconds); returns connections cut."""
+        if self.pods.pop(inst.key, None) is None:
+            return 0
+        replies = await self._ask(
+            lambda rid: m.RemovePod(inst.key, deadline, rid), timeout=deadline + QUERY_TIMEOUT
+        )
+        return sum(r for r in replies if isinstance(r, int))
+
+    # --- requests ------------------------------------------------------------------------------
+
+    async def _ask(self, make: Any, timeout: float = QUERY_TIMEOUT) -> list[Any]:
+        futs = []
+        for w in list(self.workers.values()):
+            if not w.ready.done() or w.ready.exception() is not None:
+                continue
+            self._requests += 1
+            rid = self._requests
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            w.requests[rid] = fut
+            if w.send(make(rid)):
+                futs.append(fut)
+            else:
+                w.requests.pop(rid, None)
+        if not futs:
+            return []
+        done, pending = await asyncio.wait(futs, timeout=timeout)
+        for fut in pending:
+            fut.cancel()
+        return [f.result() for f in done if not f.cancelled() and f.exception() is None]
+
+    async def query(self, what: str, *args: Any, timeout: float = QUERY_TIMEOUT) -> list[Any]:
+        return await self._ask(lambda rid: m.Query(what, rid, args), timeout=timeout)
+
+    async def profiles(self, seconds: float, frequency: int) -> list[CpuProfile]:
+        """Every worker's CPU profile of the next ``seconds``."""
+        got = await self.query("profile", seconds, frequency, timeout=seconds + QUERY_TIMEOUT)
+        return [p for p in got if p is not None]
+
+    async def stats(self) -> dict[str, int]:
+        """The workers' runtime stats, summed."""
+        out: dict[str, int] = {}
+        for stats in await self.query("stats"):
+            for k, v in stats.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    async def scrape_registry(self) -> CollectorRegistry:
+        """The supervisor's registry with every worker's series added (one scrape)."""
+        values: list[RegistryValues] = await self.query("metrics")
+        return merged_registry(self.registry, values, self._metrics_memo)
+
+    async def refresh_live(self) -> None:
+        """Every pod's live connections, as the workers report them now."""
+        replies = await self.query("live")
+        for inst in self.pods.values():
+            inst.live = [c for r in replies for c in r.get(inst.key, ())]
+
+    def set_log_spec(self, spec: str) -> None:
+        self.log_spec = spec
+        for w in self.workers.values():
+            w.send(m.SetLogLevel(spec))
+
+    def runtime_stats(self) -> dict[str, int]:
+        return {
+            "workers": sum(1 for w in self.workers.values() if w.pid),
+            "worker_restarts": self.restarts,
+        }
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, 0)
+        return True
+    return False
