@@ -59,14 +59,19 @@ IDLE_CONNS = 2000
 
 
 def mem_kib(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) in KiB from /proc/PID/smaps_rollup."""
+    """(RSS, PSS) in KiB from /proc/PID/smaps_rollup, summed over the process and its workers
+    (PSS adds up; RSS counts the pages the workers share with the supervisor once per process)."""
     rss = pss = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Rss:"):
-                rss = int(line.split()[1])
-            elif line.startswith("Pss:"):
-                pss = int(line.split()[1])
+    for p in suite.process_tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1])
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1])
+        except OSError:  # (a worker that just exited)
+            pass
     return rss, pss
 
 
@@ -92,12 +97,14 @@ def smaps_breakdown(pid: int) -> dict[str, int]:
 def rest_detail(pid: int) -> dict[str, int]:
     """The smaps_rollup fields that explain PSS at rest, KiB: anonymous (private to the process:
     Python objects, heaps) and file-backed (libraries, shared with every process mapping them)."""
-    out: dict[str, int] = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            head = line.split()
-            if len(head) >= 2 and head[0] in ("Rss:", "Pss:", "Pss_Anon:", "Pss_File:"):
-                out[head[0][:-1]] = int(head[1])
+    out: dict[str, int] = {"processes": 0}
+    for p in suite.process_tree(pid):
+        out["processes"] += 1
+        with open(f"/proc/{p}/smaps_rollup") as f:
+            for line in f:
+                head = line.split()
+                if len(head) >= 2 and head[0] in ("Rss:", "Pss:", "Pss_Anon:", "Pss_File:"):
+                    out[head[0][:-1]] = out.get(head[0][:-1], 0) + int(head[1])
     return out
 
 
@@ -444,18 +451,25 @@ def drive(args: argparse.Namespace) -> None:
 
 
 def at_rest_only(loop: str, rest: float) -> None:
-    """``--at-rest``: only the PSS at rest of both beds (each ztunnel ``rest`` s after start),
-    with the anonymous/file split; printed as JSON, nothing written."""
-    doc: dict[str, Any] = {}
-    with data_bed(loop) as bed:
-        time.sleep(rest)
-        doc["dedicated"] = {f"ztunnel-{k}": rest_detail(bed["zts"][k].pid) for k in ("a", "b")}
+    """``--at-rest``: only the PSS at rest of both beds (each ztunnel ``rest`` s after start,
+    summed over its processes), with the anonymous/file split, for 1 and 2 data-plane workers
+    (``ZTUNNEL_WORKER_THREADS``); printed as JSON, nothing written."""
     from ztunnel.testing.xdsbed import MeshPod, xds_mesh
 
-    pods_spec = [MeshPod(f"p{i}", f"n{1 + i % 2}", f"sa-{i}") for i in range(6)]
-    with xds_mesh(pods_spec) as mesh:
-        time.sleep(rest)
-        doc["shared"] = {f"ztunnel-{n}": rest_detail(zt.pid) for n, zt in mesh.ztunnels.items()}
+    doc: dict[str, Any] = {}
+    for workers in ("1", "2"):
+        env = {"ZTUNNEL_WORKER_THREADS": workers}
+        with bh.testbed([], loop, haproxy=False, env=env) as bed:
+            time.sleep(rest)
+            doc[f"dedicated, {workers} worker(s)"] = {
+                f"ztunnel-{k}": rest_detail(bed["zts"][k].pid) for k in ("a", "b")
+            }
+        pods_spec = [MeshPod(f"p{i}", f"n{1 + i % 2}", f"sa-{i}") for i in range(6)]
+        with xds_mesh(pods_spec, extra_env=env) as mesh:
+            time.sleep(rest)
+            doc[f"shared, {workers} worker(s)"] = {
+                f"ztunnel-{n}": rest_detail(zt.pid) for n, zt in mesh.ztunnels.items()
+            }
     print(json.dumps(doc, indent=1))
 
 

@@ -627,12 +627,34 @@ def run_handshakes(p: Path_, seconds: float, procs: int) -> dict[str, Any]:
     return res
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a ztunnel's data-plane workers are its children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
 def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+    """VmRSS summed over the ztunnel's processes (with workers, the connections' memory is in
+    the workers; deltas of the sum are what the connections cost)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            pass
+    return total
 
 
 def count_estab(pod: Any, sport: int) -> int:
