@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import hashlib
+import os
 import socket
 import ssl
 import struct
@@ -361,6 +362,19 @@ def test_scratch_release_gives_the_pages_back() -> None:
     assert touched - _rss_kib() > 600, (touched, _rss_kib())
     assert s.recv_view[:64] == bytes(64) and s.plain_view[-64:] == bytes(64)
     assert not s._tx
+
+
+def test_scratch_is_private_to_each_forked_worker() -> None:
+    """Workers are forked after the imports: a worker's writes to its scratch buffers must not
+    reach another process's (MAP_PRIVATE, not mmap's default MAP_SHARED)."""
+    s = transport._Scratch()
+    s.recv_view[:4] = b"mine"
+    pid = os.fork()
+    if pid == 0:  # the child: scribble, then leave without running any cleanup
+        s.recv_view[:4] = b"kid!"
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert bytes(s.recv_view[:4]) == b"mine"
 
 
 @pytest.mark.both_loops
