@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench_hbone import proc_tree  # noqa: E402
+
 from ztunnel.inpod.protocol import WorkloadInfo  # noqa: E402
 from ztunnel.testing.netns import External, NsProcess, Pod, Testbed  # noqa: E402
 from ztunnel.testing.nodeagent import FakeNodeAgent  # noqa: E402
@@ -64,17 +66,25 @@ PEER_CAPTURED = "10.96.0.11"
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of ``pid`` and its descendants (a ztunnel with workers is several processes;
+    dnsmasq is one)."""
+    total = 0
+    for p in proc_tree(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+    """Resident KiB of ``pid`` and its descendants."""
+    total = 0
+    for p in proc_tree(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+    return total
 
 
 def dnsmasq(host: Pod | External, listen: str, port: int, *extra: str) -> NsProcess:

@@ -219,15 +219,44 @@ def run_crr(ip: str, port: int, seconds: float, procs: int) -> None:
 # helpers
 
 
+def proc_tree(root: int) -> list[int]:
+    """``root`` and every live descendant (walks the ppid of each /proc/PID/stat): a ztunnel with
+    ZTUNNEL_WORKER_THREADS >= 2 (the default on 2+ CPUs) is a supervisor, a zygote and workers."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
 def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+    """VmRSS summed over ``pid``'s process tree (a forked worker's shared pages count again)."""
+    total = 0
+    for p in proc_tree(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
+            total += next((int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")), 0)
+    return total
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    """utime + stime of ``pid``'s process tree, plus what its members reaped (cutime + cstime)."""
+    total = 0
+    for p in proc_tree(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15])
+    return total / CLK_TCK
 
 
 def box_busy() -> tuple[float, float]:

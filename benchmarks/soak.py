@@ -62,7 +62,7 @@ def mem_kib(pid: int) -> tuple[int, int]:
     """(RSS, PSS) in KiB from /proc/PID/smaps_rollup, summed over the process and its workers
     (PSS adds up; RSS counts the pages the workers share with the supervisor once per process)."""
     rss = pss = 0
-    for p in suite.process_tree(pid):
+    for p in bh.proc_tree(pid):
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
                 for line in f:
@@ -98,7 +98,7 @@ def rest_detail(pid: int) -> dict[str, int]:
     """The smaps_rollup fields that explain PSS at rest, KiB: anonymous (private to the process:
     Python objects, heaps) and file-backed (libraries, shared with every process mapping them)."""
     out: dict[str, int] = {"processes": 0}
-    for p in suite.process_tree(pid):
+    for p in bh.proc_tree(pid):
         out["processes"] += 1
         with open(f"/proc/{p}/smaps_rollup") as f:
             for line in f:

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -365,12 +365,16 @@ class LineLog:
 
 
 def haproxy_splice_cfg(
-    maps: list[tuple[int, str]], *, bind: str = "127.0.0.1", uid: int | None = None
+    maps: list[tuple[int, str]],
+    *,
+    bind: str = "127.0.0.1",
+    uid: int | None = None,
+    nbthread: int = 1,
 ) -> str:
     out = [
         "global",
         *([f"  uid {uid}", f"  gid {uid}"] if uid is not None else []),
-        "  nbthread 1",
+        f"  nbthread {nbthread}",
         "  maxconn 4000",
         "  tune.pipesize 1048576",
         "  tune.bufsize 65536",
@@ -391,6 +395,38 @@ def haproxy_splice_cfg(
     ]
     for i, (lport, server) in enumerate(maps):
         out += [f"listen l{i}", f"  bind {bind}:{lport}", f"  server s{i} {server}"]
+    return "\n".join(out) + "\n"
+
+
+def haproxy_tls_cfg(
+    maps: list[tuple[str, str]], ca: str, leaf: str, *, tls_in: bool, nbthread: int
+) -> str:
+    """One side of an HAProxy mTLS pair (the C peer of HBONE in the worker rows): plain -> TLS 1.3
+    (client side, verifying the server's name) or TLS with a required client certificate ->
+    plain (server side), the suite ztunnel negotiates, ``HAPLOG %U %B`` per connection."""
+    tls = f"ssl crt {leaf} ca-file {ca} ssl-min-ver TLSv1.3 ciphersuites {SUITE}"
+    out = [
+        "global",
+        f"  nbthread {nbthread}",
+        "  maxconn 4000",
+        "  tune.bufsize 65536",
+        "  log stdout format raw local0 info",
+        "resolvers default",
+        "  nameserver lo 127.0.0.1:53",
+        "defaults",
+        "  mode tcp",
+        "  log global",
+        '  log-format "HAPLOG %U %B"',
+        "  timeout connect 5s",
+        "  timeout client 60s",
+        "  timeout server 60s",
+    ]
+    for i, (listen, server) in enumerate(maps):
+        bind = f"  bind {listen}" + (f" {tls} verify required" if tls_in else "")
+        srv = f"  server s{i} {server}"
+        if not tls_in:
+            srv += f" {tls} verify required verifyhost bench-leaf"
+        out += [f"listen l{i}", bind, srv]
     return "\n".join(out) + "\n"
 
 
@@ -425,6 +461,90 @@ _ST_CLOSED = re.compile(
     r"Connection (?:closed|reset): (\d+) byte\(s\) sent to TLS, (\d+) byte\(s\) sent"
 )
 _HAP = re.compile(r"HAPLOG (\d+) (\d+)")
+
+
+# ---------------------------------------------------------------------------------------------
+# process trees: a ztunnel with ZTUNNEL_WORKER_THREADS=N > 1 is a supervisor and N worker
+# processes (children or grandchildren), so its CPU and memory are summed over the whole tree
+
+
+proc_tree = bh.proc_tree  # root and every live descendant, from the ppid of /proc/*/stat
+
+
+def tree_cpu_by_pid(root: int) -> dict[int, float]:
+    """CPU seconds of each process of the tree: utime + stime + the cutime + cstime of children
+    it has reaped, so a worker that exits between two samples still counts (in its parent)."""
+    out: dict[int, float] = {}
+    for pid in proc_tree(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = sum(int(x) for x in fields[11:15]) / bh.CLK_TCK
+    return out
+
+
+def tree_cpu_seconds(root: int) -> float:
+    return sum(tree_cpu_by_pid(root).values())
+
+
+def tree_run_ns(root: int) -> int:
+    """Nanoseconds on CPU of every thread of the tree's live processes (``schedstat``): fine
+    enough for one scrape, where the clock-tick counts of /proc/PID/stat read 0 or 10 ms."""
+    total = 0
+    for pid in proc_tree(root):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with (
+                    contextlib.suppress(OSError, ValueError),
+                    open(f"/proc/{pid}/task/{tid}/schedstat") as f,
+                ):
+                    total += int(f.read().split()[0])
+    return total
+
+
+def process_memory_kib(pid: int) -> dict[str, int]:
+    """RSS, PSS and private KiB of one process (``/proc/PID/smaps_rollup``) and its parent."""
+    out = {"pid": pid, "ppid": 0, "rss": 0, "pss": 0, "private": 0}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            out["ppid"] = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f.read().splitlines()[1:]:
+                key, _, rest = line.partition(":")
+                kib = int(rest.split()[0]) if rest.split() else 0
+                if key == "Rss":
+                    out["rss"] += kib
+                elif key == "Pss":
+                    out["pss"] += kib
+                elif key in ("Private_Clean", "Private_Dirty"):
+                    out["private"] += kib
+    return out
+
+
+def tree_memory_kib(root: int) -> dict[str, int]:
+    """RSS, PSS and private (USS) KiB summed over the tree (``/proc/PID/smaps_rollup``), and the
+    number of processes. PSS splits each shared page between the processes mapping it, so the
+    sum over a supervisor and its forked workers counts their shared pages once."""
+    out = {"rss": 0, "pss": 0, "private": 0, "processes": 0}
+    for pid in proc_tree(root):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                text = f.read()
+        except OSError:
+            continue
+        out["processes"] += 1
+        for line in text.splitlines()[1:]:
+            key, _, rest = line.partition(":")
+            kib = int(rest.split()[0]) if rest.split() else 0
+            if key == "Rss":
+                out["rss"] += kib
+            elif key == "Pss":
+                out["pss"] += kib
+            elif key in ("Private_Clean", "Private_Dirty"):
+                out["private"] += kib
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +615,7 @@ def _proof(p: Path_, start: dict[str, int], port: int, sent: float, conns: int) 
 
 
 def _cpu(p: Path_) -> dict[str, float]:
-    return {k: bh.cpu_seconds(pid) for k, pid in p.pids.items()}
+    return {k: tree_cpu_seconds(pid) for k, pid in p.pids.items()}
 
 
 def run_iperf(p: Path_, seconds: int, streams: int) -> dict[str, Any]:
@@ -581,6 +701,7 @@ def run_crr(p: Path_, seconds: float, procs: int) -> dict[str, Any]:
     total = sum(cpu1[k] - cpu0[k] for k in cpu0)
     if cpu0 and r["conns"]:
         res["proxy_cpu_us_per_conn"] = total / r["conns"] * 1e6
+        res["proxy_cores"] = total / r["seconds"]
     res |= _proof(p, start, port, 0.0, 0)
     return res
 
@@ -593,12 +714,12 @@ def run_handshakes(p: Path_, seconds: float, procs: int) -> dict[str, Any]:
     client, (ip, port), extra = p.hs
     start = _proof_start(p)
     pid = p.pids["b"]
-    cpu0 = bh.cpu_seconds(pid)
+    cpu0 = tree_cpu_seconds(pid)
     out = client.run(
         sys.executable, __file__, "hs", "--ip", ip, "--port", str(port), "--seconds",
         str(seconds), "--procs", str(procs), *extra, timeout=seconds + 60,
     )  # fmt: skip
-    cpu = bh.cpu_seconds(pid) - cpu0
+    cpu = tree_cpu_seconds(pid) - cpu0
     r = json.loads(out.stdout)
     res: dict[str, Any] = {
         "handshakes_per_s": r["conns"] / r["seconds"],
@@ -627,33 +748,13 @@ def run_handshakes(p: Path_, seconds: float, procs: int) -> dict[str, Any]:
     return res
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (a ztunnel's data-plane workers are its children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
 def rss_kib(pid: int) -> int:
-    """VmRSS summed over the ztunnel's processes (with workers, the connections' memory is in
-    the workers; deltas of the sum are what the connections cost)."""
+    """VmRSS of ``pid``, summed over its process tree (a ztunnel's workers; shared pages then
+    count once per process, which deltas such as the idle-connection cost cancel out)."""
     total = 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-                        break
-        except OSError:
-            pass
+    for p in proc_tree(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
+            total += next((int(x.split()[1]) for x in f if x.startswith("VmRSS:")), 0)
     return total
 
 
@@ -702,9 +803,18 @@ def run_idle_memory(p: Path_, server: Any, n: int) -> dict[str, Any]:
 # the test bed
 
 
+# the worker rows' ztunnel pairs (issue 18): a-wN -> b-wN, each ztunnel with N workers
+WORKER_VARIANTS = [
+    bh.Variant(f"w{n}", {"ZTUNNEL_WORKER_THREADS": str(n)}, f"ZTUNNEL_WORKER_THREADS={n}")
+    for n in (1, 2)
+]
+
+
 @contextlib.contextmanager
-def suite_bed(loop: str) -> Iterator[list[Path_]]:
-    with bh.testbed([], loop, haproxy=False) as bed, tempfile.TemporaryDirectory() as tmp:
+def suite_bed(loop: str, workers: bool = False) -> Iterator[tuple[list[Path_], list[Path_]]]:
+    """The suite's paths and, with ``workers``, the worker rows' paths (else an empty list)."""
+    variants = WORKER_VARIANTS if workers else []
+    with bh.testbed(variants, loop, haproxy=False) as bed, tempfile.TemporaryDirectory() as tmp:
         tb, pods, zts = bed["bed"], bed["pods"], bed["zts"]
         n1, n2 = tb.host("n1"), tb.host("n2")
         g = n1.add_pod("g", ambient=False)
@@ -801,7 +911,11 @@ def suite_bed(loop: str) -> Iterator[list[Path_]]:
                 hs=(e, (f.ip4, ST_TLS_ECHO), ["--ca", ca, "--leaf", leaf]),
             ),
         ]  # fmt: skip
-        yield paths
+        wpaths: list[Path_] = []
+        if workers:
+            more = {"e": e, "f": f, "h": h}
+            wpaths = worker_paths(bed, tmp, ca, leaf, more, (hap_h, hap_h_log))
+        yield paths, wpaths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1024,7 +1138,9 @@ def markdown(doc: dict[str, Any], paths: list[Path_]) -> str:
         lines += [
             "",
             f"RSS right after start (before any load): {doc['params'].get('rss_kib_at_start')} "
-            "KiB; 'at rest' is measured just before opening the idle connections.",
+            "KiB; 'at rest' is measured just before opening the idle connections. RSS is "
+            "summed over each ztunnel's processes "
+            f"({doc['params'].get('ztunnel_processes')} at start: the default worker count).",
         ]
     lines += [
         "",
@@ -1081,6 +1197,599 @@ def plots(doc: dict[str, Any], paths: list[Path_]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# worker rows (issue 18): ztunnel with N=1 and N=2 workers beside HAProxy nbthread 1 and 2
+
+T_SCALING_VS_HAPROXY = 0.9  # ztunnel's N=2/N=1 over HAProxy's: "the same scaling", within 10%
+T_WORKER_EFFICIENCY = 0.9  # per proxy CPU-second, 2 workers over 1
+T_PSS_ONE_WORKER_MIB = 35.0
+T_PSS_PER_EXTRA_WORKER_MIB = 10.0
+SCRAPE_SERIES = 40_000
+# HAProxy mTLS pair e -> f per thread count: client-side iperf / echo ports, server-side TLS ports
+HAP_TLS_PORTS = {1: (6011, 6111, 8451, 8452), 2: (6012, 6112, 8461, 8462)}
+# (row, its 1-worker / 1-thread path, its 2-worker / 2-thread path)
+WORKER_PAIRS = [
+    ("ztunnel-tcp", "ztunnel-tcp/w1", "ztunnel-tcp/w2"),
+    ("haproxy-inpod", "haproxy-inpod/t1", "haproxy-inpod/t2"),
+    ("ztunnel-hbone", "ztunnel-hbone/w1", "ztunnel-hbone/w2"),
+    ("haproxy-tls", "haproxy-tls/t1", "haproxy-tls/t2"),
+]
+PEER_OF = {"ztunnel-tcp": "haproxy-inpod", "ztunnel-hbone": "haproxy-tls"}
+WORKER_TESTS = [
+    ("tput_1", "gbps", "gbps_per_proxy_core", "Gbit/s, 1 stream"),
+    ("tput_8", "gbps", "gbps_per_proxy_core", "Gbit/s, 8 streams"),
+    ("crr", "conn_per_s", "conn_per_proxy_core_s", "new connections/s"),
+]
+
+
+def worker_paths(
+    bed: dict[str, Any], tmp: str, ca: str, leaf: str, pods: dict[str, Any], hap_h: Any
+) -> list[Path_]:
+    """The worker rows' paths, on the suite's bed plus: the ztunnel pairs a-wN -> b-wN
+    (``WORKER_VARIANTS``), pod ``h2`` (HAProxy ``nbthread 2`` behind in-pod rules, as ``h`` with 1
+    thread) and HAProxy mTLS pairs e -> f with 1 and 2 threads (the C peer of HBONE)."""
+    tb, zts = bed["bed"], bed["zts"]
+    pods = {**bed["pods"], **pods}
+    d, e, f = pods["d"], pods["e"], pods["f"]
+    hap_h, hap_h_log = hap_h
+    h2 = tb.host("n1").add_pod("h2", ambient=False)
+    h2.install_inpod_rules()
+    h2.sysctl("net.ipv4.tcp_tw_reuse", 1)
+    h2.sysctl("net.ipv4.ip_local_port_range", "1024 65000")
+    h2.run(
+        "iptables", "-t", "nat", "-I", "ISTIO_OUTPUT", "1", "-p", "tcp",
+        "-m", "owner", "--uid-owner", str(HAP_INPOD_UID), "-j", "ACCEPT",
+    )  # fmt: skip
+    cfg = Path(tmp, "hap_h2.cfg")
+    cfg.write_text(
+        haproxy_splice_cfg(
+            [(HAP_INPOD_PORT, "0.0.0.0")], bind="0.0.0.0", uid=HAP_INPOD_UID, nbthread=2
+        )
+    )
+    hap2 = h2.popen(bh.HAPROXY, "-db", "-f", str(cfg), stdout=subprocess.PIPE)
+    hap2_log = LineLog(hap2.popen.stdout)
+    tls: dict[int, tuple[Any, Any, LineLog, LineLog]] = {}
+    for n, (p_ip, p_echo, t_ip, t_echo) in HAP_TLS_PORTS.items():
+        cs, cc = Path(tmp, f"hap_tls_f{n}.cfg"), Path(tmp, f"hap_tls_e{n}.cfg")
+        cs.write_text(
+            haproxy_tls_cfg(
+                [(f"0.0.0.0:{t_ip}", f"127.0.0.1:{IPERF_PORT}"),
+                 (f"0.0.0.0:{t_echo}", f"127.0.0.1:{ECHO_PORT}")],
+                ca, leaf, tls_in=True, nbthread=n,
+            )
+        )  # fmt: skip
+        cc.write_text(
+            haproxy_tls_cfg(
+                [(f"127.0.0.1:{p_ip}", f"{f.ip4}:{t_ip}"),
+                 (f"127.0.0.1:{p_echo}", f"{f.ip4}:{t_echo}")],
+                ca, leaf, tls_in=False, nbthread=n,
+            )
+        )  # fmt: skip
+        sf = f.popen(bh.HAPROXY, "-db", "-f", str(cs), stdout=subprocess.PIPE)
+        se = e.popen(bh.HAPROXY, "-db", "-f", str(cc), stdout=subprocess.PIPE)
+        tls[n] = (se, sf, LineLog(se.popen.stdout), LineLog(sf.popen.stdout))
+        for proc, port in ((sf, t_echo), (se, p_echo)):
+            up = functools.partial(bh.listening_in, proc.pid, port)
+            bh.wait_until(up, 10, f"haproxy tls {n} thread(s) :{port}")
+    bh.wait_until(lambda: bh.listening_in(hap2.pid, HAP_INPOD_PORT), 10, "haproxy in h2")
+    out: list[Path_] = []
+    for n in (1, 2):
+        za, zb, b = zts[f"a-w{n}"], zts[f"b-w{n}"], pods[f"b-w{n}"]
+        out.append(
+            Path_(
+                f"ztunnel-tcp/w{n}", "ztunnel", pods[f"a-w{n}"], (d.ip4, IPERF_PORT),
+                (d.ip4, ECHO_PORT), pids={"a": za.pid}, zta=za,
+            )
+        )  # fmt: skip
+    out.append(
+        Path_(
+            "haproxy-inpod/t1", "haproxy", pods["h"], (d.ip4, IPERF_PORT), (d.ip4, ECHO_PORT),
+            pids={"a": hap_h.pid}, logs={"a": hap_h_log},
+        )
+    )  # fmt: skip
+    out.append(
+        Path_(
+            "haproxy-inpod/t2", "haproxy", h2, (d.ip4, IPERF_PORT), (d.ip4, ECHO_PORT),
+            pids={"a": hap2.pid}, logs={"a": hap2_log},
+        )
+    )  # fmt: skip
+    for n in (1, 2):
+        za, zb, b = zts[f"a-w{n}"], zts[f"b-w{n}"], pods[f"b-w{n}"]
+        out.append(
+            Path_(
+                f"ztunnel-hbone/w{n}", "ztunnel", pods[f"a-w{n}"], (b.ip4, IPERF_PORT),
+                (b.ip4, ECHO_PORT), pids={"a": za.pid, "b": zb.pid}, zta=za, ztb=zb,
+                hs=(pods["c"], (b.ip4, 15008),
+                    ["--ca-dir", bed["ca_dir"], "--authority", f"{b.ip4}:{ECHO_PORT}"]),
+            )
+        )  # fmt: skip
+    lo = "127.0.0.1"
+    for n, (p_ip, p_echo, _, _) in HAP_TLS_PORTS.items():
+        se, sf, le, lf = tls[n]
+        out.append(
+            Path_(
+                f"haproxy-tls/t{n}", "haproxy", e, (lo, p_ip), (lo, p_echo),
+                pids={"a": se.pid, "b": sf.pid}, logs={"a": le, "b": lf},
+            )
+        )  # fmt: skip
+    return out
+
+
+def measured(p: Path_, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()`` plus how the CPU of each proxy's process tree split between its processes
+    (``cpu_share_a``: the root process (a ztunnel's supervisor) first, then the others, largest
+    first: a supervisor, two busy workers and an idle zygote show as ``[0.02, 0.5, 0.48, 0.0]``),
+    the number of processes and the box's busy cores."""
+    before = {k: tree_cpu_by_pid(pid) for k, pid in p.pids.items()}
+    busy0, tot0 = bh.box_busy()
+    r = run()
+    busy1, tot1 = bh.box_busy()
+    for k, pid in p.pids.items():
+        after = tree_cpu_by_pid(pid)
+        used = {x: after[x] - before[k].get(x, 0.0) for x in after}
+        total = sum(used.values())
+        r[f"processes_{k}"] = len(after)
+        rest = sorted((u / total for x, u in used.items() if x != pid), reverse=True)
+        r[f"cpu_share_{k}"] = [used.get(pid, 0.0) / total, *rest] if total else []
+    r.setdefault("box_busy_cores", (busy1 - busy0) / (tot1 - tot0) * (os.cpu_count() or 1))
+    if r.get("proxy_cpu_us_per_conn"):
+        r["conn_per_proxy_core_s"] = 1e6 / r["proxy_cpu_us_per_conn"]
+    return r
+
+
+def standalone_memory(loop: str) -> dict[str, Any]:
+    """PSS of one ztunnel alone on a node of its own bed (dedicated mode, one pod, local config
+    and CA), with 1 worker and then 2, 3 s after it is ready: the per-node figure of the issue's
+    targets. In the suite's bed the ztunnels share their file pages with each other, which
+    lowers each one's PSS. Also each process of the tree, root first."""
+    from ztunnel.testing.netns import Testbed
+    from ztunnel.testing.proc import ZtunnelProcess
+
+    out: dict[str, Any] = {}
+    with Testbed() as tb, tempfile.TemporaryDirectory() as tmp:
+        pod = tb.add_node("n1").add_pod("a")
+        pod.install_inpod_rules()
+        os.mkdir(os.path.join(tmp, "ca"))
+        for n in (1, 2):
+            env = {
+                "PROXY_MODE": "dedicated",
+                "LOCAL_XDS": bh.mesh_config({"a": pod}),
+                "ZTUNNEL_LOCAL_CA_DIR": os.path.join(tmp, "ca"),
+                "RUST_LOG": "info",
+                "PROXY_WORKLOAD_INFO": "default/a/sa-a",
+                "NODE_NAME": "n1",
+                "ZTUNNEL_WORKER_THREADS": str(n),
+            }
+            zt = ZtunnelProcess(pod, env, loop=loop).start()
+            try:
+                time.sleep(3.0)
+                out[f"w{n}"] = tree_memory_kib(zt.pid)
+                out[f"w{n}_by_process"] = [process_memory_kib(x) for x in proc_tree(zt.pid)]
+            finally:
+                zt.stop()
+    return out
+
+
+def _by_process(procs: list[dict[str, int]]) -> str:
+    """ "supervisor 26.2 + zygote 12.4 + workers 13.4/13.4" (MiB PSS) from process_memory_kib
+    rows, root first: a process that is the parent of another is where workers are forked."""
+    if len(procs) <= 1:
+        return f"one process {procs[0]['pss'] / 1024:.1f}" if procs else "-"
+    parents = {p["ppid"] for p in procs[1:]}
+    forkers = [p for p in procs[1:] if p["pid"] in parents]
+    workers = [p for p in procs[1:] if p["pid"] not in parents]
+    out = f"supervisor {procs[0]['pss'] / 1024:.1f}"
+    if forkers:
+        out += " + zygote " + "/".join(f"{p['pss'] / 1024:.1f}" for p in forkers)
+    return out + " + workers " + "/".join(f"{p['pss'] / 1024:.1f}" for p in workers)
+
+
+def worker_memory(wpaths: list[Path_]) -> dict[str, Any]:
+    """PSS / RSS / private KiB of each worker-row ztunnel at rest, summed over its process tree."""
+    out: dict[str, Any] = {}
+    for p in wpaths:
+        if p.name.startswith("ztunnel-hbone/"):  # a-wN and b-wN (the tcp path's a-wN is the same)
+            n = p.name.rsplit("/w", 1)[1]
+            for side, zt in (("a", p.zta), ("b", p.ztb)):
+                out[f"w{n}_{side}"] = tree_memory_kib(zt.pid)
+    return out
+
+
+def run_scrape(p: Path_, sets: int, scrapes: int) -> dict[str, Any]:
+    """``sets`` distinct traffic label sets at ``p``'s inbound ztunnel (``series``: HBONE CONNECTs
+    with a distinct source workload in their baggage, 4 series each), then GET
+    /stats/prometheus on its 15020 ``scrapes`` times, plain and gzip: the scrape's time
+    (curl's time_total, from inside the pod) and the ztunnel tree's CPU during it."""
+    assert p.hs is not None and p.ztb is not None
+    client, (ip, port), extra = p.hs
+    zt, pod = p.ztb, p.ztb.host
+    cpu0 = tree_cpu_seconds(zt.pid)
+    gen = client.run(
+        sys.executable, __file__, "series", "--ip", ip, "--port", str(port), "--n", str(sets),
+        *extra, timeout=900,
+    )  # fmt: skip
+    made: dict[str, Any] = json.loads(gen.stdout)
+    out: dict[str, Any] = {
+        "sets_requested": sets,
+        "streams_ok": made["ok"],
+        "stream_errors": made["errors"],
+        "generate_seconds": made["seconds"],
+        "ztunnel_cpu_s_generating": tree_cpu_seconds(zt.pid) - cpu0,
+    }
+    url = "http://127.0.0.1:15020/stats/prometheus"
+    body = ""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # every stream's close counted (closed_total) before timing
+        body = pod.run("curl", "-sS", url, timeout=60).stdout
+        opened = closed = 0.0
+        series = ours = 0
+        for line in body.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            series += 1
+            if 'source_workload="wl-' in line:
+                ours += 1
+                if line.startswith("istio_tcp_connections_opened_total{"):
+                    opened += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("istio_tcp_connections_closed_total{"):
+                    closed += float(line.rsplit(" ", 1)[1])
+        if closed >= made["ok"]:
+            break
+        time.sleep(0.5)
+    out |= {
+        "series": series,
+        "series_from_generator": ours,
+        "opened_total_from_generator": opened,
+        "closed_total_from_generator": closed,
+        "bytes": len(body.encode()),
+        "processes": len(proc_tree(zt.pid)),
+    }
+    for mode, flags in (("plain", []), ("gzip", ["--compressed"])):
+        times: list[float] = []
+        cpus: list[float] = []
+        size = 0
+        for _ in range(scrapes):
+            c0 = tree_run_ns(zt.pid)
+            r = pod.run(
+                "curl", "-sS", *flags, "-o", "/dev/null", "-w", "%{time_total} %{size_download}",
+                url, timeout=60,
+            )  # fmt: skip
+            cpus.append((tree_run_ns(zt.pid) - c0) / 1e9)
+            t, n = r.stdout.split()
+            times.append(float(t))
+            size = int(n)
+        out[f"{mode}_ms"] = statistics.median(times) * 1e3
+        out[f"{mode}_ms_max"] = max(times) * 1e3
+        out[f"{mode}_cpu_ms"] = statistics.median(cpus) * 1e3
+        out[f"{mode}_bytes"] = size
+    return out
+
+
+def run_workers(
+    wpaths: list[Path_],
+    wp: dict[str, Any],
+    record: Callable[[Path_, str, dict[str, Any]], None],
+    alone: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The worker rows: PSS at rest, then rounds (order flipped each round) of iperf3 1 and 8
+    streams and new connections/s on every path, then the scrape at many series on N=1 and N=2."""
+    started = time.monotonic()
+    time.sleep(2.0)
+    memory = worker_memory(wpaths)
+    print(f"  workers memory at rest: {memory}", file=sys.stderr)
+    for p in wpaths:  # warm-up: HBONE pools of every worker, caches
+        run_crr(p, 0.5, wp["crr_procs"])
+        run_iperf(p, 1, 2)
+    for rnd in range(wp["rounds"]):
+        order = wpaths if rnd % 2 == 0 else wpaths[::-1]
+        for streams in (1, 8):
+            for p in order:
+                r = measured(p, functools.partial(run_iperf, p, wp["iperf_seconds"], streams))
+                record(p, f"tput_{streams}", r)
+        for p in order:
+            r = measured(p, functools.partial(run_crr, p, wp["crr_seconds"], wp["crr_procs"]))
+            record(p, "crr", r)
+    scrape: dict[str, Any] = {}
+    if wp["series_sets"] > 0:
+        for p in wpaths:
+            if p.name.startswith("ztunnel-hbone/"):
+                n = p.name.rsplit("/", 1)[1]
+                scrape[n] = run_scrape(p, wp["series_sets"], wp["scrapes"])
+                print(f"  scrape {n}: {scrape[n]}", file=sys.stderr)
+    summary = summarize(wpaths)
+    return {
+        "params": wp,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "memory_kib_at_rest": memory,
+        "memory_kib_alone": alone or {},
+        "scrape": scrape,
+        "summary": summary,
+        "ratios": worker_ratios(summary),
+        "targets": worker_targets(summary, memory, alone or {}),
+        "runs": {p.name: p.res for p in wpaths},
+    }
+
+
+def worker_ratios(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per row and test: the medians with 1 and 2 workers / threads, their scaling (2 over 1),
+    the per-core efficiency (per proxy CPU-second, 2 over 1) and the box's busy cores."""
+    out = []
+    for test, key, eff, _ in WORKER_TESTS:
+        for row, one, two in WORKER_PAIRS:
+            v1, v2 = _get(s, one, test, key), _get(s, two, test, key)
+            e1, e2 = _get(s, one, test, eff), _get(s, two, test, eff)
+            out.append(
+                {
+                    "row": row,
+                    "test": test,
+                    "one": v1,
+                    "two": v2,
+                    "scaling": v2 / v1 if v1 and v2 else None,
+                    "per_core_one": e1,
+                    "per_core_two": e2,
+                    "efficiency": e2 / e1 if e1 and e2 else None,
+                    "proxy_cores_one": _get(s, one, test, "proxy_cores"),
+                    "proxy_cores_two": _get(s, two, test, "proxy_cores"),
+                    "box_busy_one": _get(s, one, test, "box_busy_cores"),
+                    "box_busy_two": _get(s, two, test, "box_busy_cores"),
+                }
+            )
+    return out
+
+
+def worker_targets(
+    s: dict[str, Any], memory: dict[str, Any], alone: dict[str, Any]
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    ratios = {(r["row"], r["test"]): r for r in worker_ratios(s)}
+    for test, _, _, label in WORKER_TESTS:
+        for zt, peer in PEER_OF.items():
+            a, b = ratios[(zt, test)]["scaling"], ratios[(peer, test)]["scaling"]
+            v = a / b if a and b else None
+            out.append(
+                {
+                    "target": f"{zt} {label}: scaling 2 workers / 1 over {peer}'s 2 threads / 1 "
+                    f"({fmt(a)}x vs {fmt(b)}x)",
+                    "want": f">= {T_SCALING_VS_HAPROXY:.2f}x",
+                    "value": v,
+                    "shown": f"{fmt(v)}x",
+                    "met": None if v is None else v >= T_SCALING_VS_HAPROXY,
+                }
+            )
+    for test, _, _, label in WORKER_TESTS:
+        for zt in PEER_OF:
+            v = ratios[(zt, test)]["efficiency"]
+            out.append(
+                {
+                    "target": f"{zt} {label}: per proxy core-second, 2 workers / 1",
+                    "want": f">= {T_WORKER_EFFICIENCY:.2f}x",
+                    "value": v,
+                    "shown": f"{fmt(v)}x",
+                    "met": None if v is None else v >= T_WORKER_EFFICIENCY,
+                }
+            )
+    mib = {k: v["pss"] / 1024 for k, v in memory.items()}
+    one = [mib.get("w1_a"), mib.get("w1_b")]
+    extra = [
+        mib[f"w2_{x}"] - mib[f"w1_{x}"] if f"w2_{x}" in mib and f"w1_{x}" in mib else None
+        for x in ("a", "b")
+    ]
+    rows: list[tuple[str, list[float | None], float]] = []
+    if "w1" in alone and "w2" in alone:  # the per-node figures: a ztunnel alone on its node
+        a1, a2 = alone["w1"]["pss"] / 1024, alone["w2"]["pss"] / 1024
+        rows += [
+            ("PSS at rest, 1 worker, a ztunnel alone on its node", [a1], T_PSS_ONE_WORKER_MIB),
+            ("PSS at rest, each extra worker, alone on its node (2 workers minus 1)", [a2 - a1],
+             T_PSS_PER_EXTRA_WORKER_MIB),
+        ]  # fmt: skip
+    rows += [
+        ("PSS at rest, 1 worker, in the suite's bed (ztunnel a / b; pages shared with the bed's "
+         "other ztunnels)", one, T_PSS_ONE_WORKER_MIB),
+        ("PSS at rest, each extra worker, in the bed (2 workers minus 1; a / b)", extra,
+         T_PSS_PER_EXTRA_WORKER_MIB),
+    ]  # fmt: skip
+    for what, vals, want in rows:
+        known = [v for v in vals if v is not None]
+        out.append(
+            {
+                "target": what,
+                "want": f"<= {want:.0f} MiB",
+                "value": max(known) if known else None,
+                "shown": " / ".join(f"{fmt(v, '.1f')}" for v in vals) + " MiB",
+                "met": max(known) <= want if known else None,
+            }
+        )
+    return out
+
+
+def workers_markdown(wdoc: dict[str, Any]) -> str:
+    s, wp = wdoc["summary"], wdoc["params"]
+    lines = [
+        f"## Worker rows ({'quick' if wp['quick'] else 'full'}), {wdoc['when']}",
+        "",
+        f"`{wdoc['command']}`, commit `{(wdoc['env'].get('git_head') or '?')[:12]}`"
+        f"{' (uncommitted changes)' if wdoc['env'].get('git_dirty') else ''}. ztunnel pairs "
+        "a-wN -> b-wN with `ZTUNNEL_WORKER_THREADS=N`; HAProxy with `nbthread N` on the same "
+        f"paths. iperf3 -t {wp['iperf_seconds']}, CRR {wp['crr_seconds']} s x "
+        f"{wp['crr_procs']} client processes, {wp['rounds']} interleaved rounds (order flipped "
+        "each round), medians. Proxy CPU summed over each proxy's process tree (supervisor + "
+        "workers).",
+        "",
+        "### Targets",
+        "",
+        "| target | want | this run | verdict |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {t['target']} | {t['want']} | {t['shown']} | {verdict(t['met'])} |"
+        for t in wdoc["targets"]
+    ]
+    lines += [
+        "",
+        "### Scaling, 1 -> 2 workers / threads",
+        "",
+        "| row | test | 1 | 2 | scaling | per proxy core-s, 1 / 2 | efficiency | proxy cores "
+        "1 / 2 | box busy cores 1 / 2 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in wdoc["ratios"]:
+        lines.append(
+            f"| {r['row']} | {r['test']} | {fmt(r['one'])} | {fmt(r['two'])} "
+            f"| {fmt(r['scaling'])}x | {fmt(r['per_core_one'])} / {fmt(r['per_core_two'])} "
+            f"| {fmt(r['efficiency'])}x | {fmt(r['proxy_cores_one'])} / "
+            f"{fmt(r['proxy_cores_two'])} | {fmt(r['box_busy_one'])} / {fmt(r['box_busy_two'])} |"
+        )
+    lines += [
+        "",
+        "### Every path (medians) and where the CPU went",
+        "",
+        "| path | 1 stream Gbit/s | per core | 8 streams Gbit/s | per core | conn/s | µs/conn "
+        "| processes | CPU share: root process + others (last round) | proof bytes 1/8 | "
+        "proof conns (CRR) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in s.items():
+        t1, t8, c = (row.get(k) or {} for k in ("tput_1", "tput_8", "crr"))
+        split = []
+        for test in ("tput_8", "crr"):
+            last = (wdoc["runs"].get(name, {}).get(test) or [{}])[-1]
+            split.append(f"{test}: " + "; ".join(
+                f"{k[-1]} " + (f"{v[0]:.2f} + " + "/".join(f"{x:.2f}" for x in v[1:]) if len(v) > 1
+                                else "1.00")
+                for k, v in last.items()
+                if k.startswith("cpu_share_") and v
+            ))  # fmt: skip
+        shares = "<br>".join(split)
+        procs = "/".join(f"{fmt(t8.get(f'processes_{k}'), '.0f')}" for k in ("a", "b") if
+                         t8.get(f"processes_{k}") is not None)  # fmt: skip
+        proof = "/".join(
+            f"{fmt(t1.get(f'proof_bytes_ratio_{k}'), '.3f')},{fmt(t8.get(f'proof_bytes_ratio_{k}'), '.3f')}"
+            for k in ("a", "b")
+            if t1.get(f"proof_bytes_ratio_{k}") is not None
+        )  # fmt: skip
+        pconn = "/".join(
+            fmt(c.get(f"proof_conns_{k}"), ".0f")
+            for k in ("a", "b")
+            if c.get(f"proof_conns_{k}") is not None
+        )
+        lines.append(
+            f"| {name} | {fmt(t1.get('gbps'))} | {fmt(t1.get('gbps_per_proxy_core'))} "
+            f"| {fmt(t8.get('gbps'))} | {fmt(t8.get('gbps_per_proxy_core'))} "
+            f"| {fmt(c.get('conn_per_s'), '.0f')} | {fmt(c.get('proxy_cpu_us_per_conn'), '.0f')} "
+            f"| {procs} | {shares} | {proof} | {pconn} of {fmt(c.get('conns'), '.0f')} |"
+        )
+    lines += [
+        "",
+        "### Memory at rest (KiB, summed over each ztunnel's process tree)",
+        "",
+        "| ztunnel | processes | PSS | private (USS) | RSS |",
+        "|---|---|---|---|---|",
+    ]
+    for k, m in wdoc["memory_kib_at_rest"].items():
+        lines.append(f"| {k} | {m['processes']} | {m['pss']} | {m['private']} | {m['rss']} |")
+    alone = wdoc.get("memory_kib_alone") or {}
+    for wn in ("w1", "w2"):
+        if m := alone.get(wn):
+            lines.append(
+                f"| {wn}, alone on its node | {m['processes']} | {m['pss']} | {m['private']} "
+                f"| {m['rss']} |"
+            )
+    for wn in ("w1", "w2"):
+        if tree := alone.get(f"{wn}_by_process"):
+            lines += ["", f"{wn} alone, PSS MiB by process: {_by_process(tree)}."]
+    if wdoc["scrape"]:
+        lines += [
+            "",
+            "### Metrics scrape (GET /stats/prometheus on 15020, inbound ztunnel b-wN)",
+            "",
+            "| ztunnel | processes | series (from generator) | opened / closed total of the "
+            "generator's sets | plain ms (max) | plain ztunnel CPU ms | gzip ms | gzip CPU ms "
+            "| bytes plain / gzip |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for n, r in wdoc["scrape"].items():
+            lines.append(
+                f"| {n} | {r['processes']} | {r['series']} ({r['series_from_generator']}) "
+                f"| {r['opened_total_from_generator']:.0f} / {r['closed_total_from_generator']:.0f}"
+                f" of {r['streams_ok']} streams ok | {fmt(r['plain_ms'], '.1f')} "
+                f"({fmt(r['plain_ms_max'], '.1f')}) | {fmt(r['plain_cpu_ms'], '.1f')} "
+                f"| {fmt(r['gzip_ms'], '.1f')} | {fmt(r['gzip_cpu_ms'], '.1f')} "
+                f"| {r['plain_bytes']} / {r['gzip_bytes']} |"
+            )
+    lines += [
+        "",
+        "Paths: `ztunnel-tcp/wN` a-wN -> REDIRECT -> ztunnel-a-wN -> d; `haproxy-inpod/tN` the "
+        "suite's in-pod HAProxy (pod h: 1 thread, pod h2: 2 threads) on the same path; "
+        "`ztunnel-hbone/wN` a-wN -> ztunnel -> mTLS + HTTP/2 CONNECT -> ztunnel -> b-wN (new "
+        "connections reuse the pooled HBONE connection of each worker); `haproxy-tls/tN` "
+        f"e -> HAProxy -> TLS 1.3 ({SUITE}, both certificates verified) -> HAProxy -> f, a TLS "
+        "connection per client connection (HAProxy resumes TLS sessions towards the server).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _baggage(i: int) -> str:
+    return f"k8s.deployment.name=wl-{i},k8s.namespace.name=bench,service.name=wl-{i},service.version=v1"
+
+
+def run_series(args: argparse.Namespace) -> None:
+    """``--n`` HBONE CONNECT streams to ``--authority`` over ``--conns`` mTLS connections (one
+    after the other, ``--inflight`` streams at a time), each with a distinct source workload in
+    its baggage and one byte echoed, then closed: every stream is a new label set in the
+    inbound ztunnel's traffic metrics. Prints one JSON line."""
+    from ztunnel.core.identity import Identity
+    from ztunnel.hbone import h2conn as h2
+    from ztunnel.identity.localca import LocalCA
+    from ztunnel.identity.tls import client_context
+
+    ca = LocalCA.load_or_create(Path(args.ca_dir))
+    ctx = client_context(ca.issue(Identity(ca.trust_domain, "default", "sa-bench-series")))
+    ok = errors = 0
+    t0 = time.monotonic()
+    per = -(-args.n // args.conns)
+    for c in range(args.conns):
+        todo = list(range(c * per, min(args.n, (c + 1) * per)))[::-1]
+        opened: dict[int, int] = {}
+        with socket.create_connection((args.ip, args.port), timeout=30) as raw:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with ctx.wrap_socket(raw, server_hostname=None) as s:
+                conn = h2.H2Connection(client=True)
+                while todo or opened:
+                    while todo and len(opened) < args.inflight and conn.available_streams > 0:
+                        i = todo.pop()
+                        headers = [("baggage", _baggage(i)), ("traceparent", _TRACEPARENT)]
+                        opened[conn.open_stream(args.authority, headers)] = i
+                    if out := conn.data_to_send_bytes():
+                        s.sendall(out)
+                    data = s.recv(65536)
+                    if not data:
+                        break
+                    for ev in conn.receive_data(data):
+                        if isinstance(ev, h2.ResponseReceived):
+                            if ev.status == 200:
+                                conn.send_data(ev.stream_id, b"x", end_stream=True)
+                            else:
+                                errors += 1
+                                opened.pop(ev.stream_id, None)
+                        elif isinstance(ev, h2.DataReceived):
+                            conn.acknowledge_received_data(ev.stream_id, ev.flow_controlled_length)
+                        elif isinstance(ev, h2.StreamEnded) and ev.stream_id in opened:
+                            ok += 1
+                            del opened[ev.stream_id]
+                        elif isinstance(ev, h2.StreamReset) and ev.stream_id in opened:
+                            errors += 1
+                            del opened[ev.stream_id]
+                        elif isinstance(ev, h2.ConnectionTerminated):
+                            errors += len(todo)
+                            todo.clear()
+                    if out := conn.data_to_send_bytes():
+                        s.sendall(out)
+        errors += len(opened) + len(todo)
+    res = {"ok": ok, "errors": errors, "seconds": time.monotonic() - t0}
+    print(json.dumps(res), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # driver
 
 
@@ -1103,6 +1812,15 @@ def drive(args: argparse.Namespace) -> None:
         "hs_procs": 2,
         "idle_conns": args.idle_conns,
     }
+    wp = {  # the worker rows (issue 18): short, the 2 cores are shared
+        "quick": quick,
+        "iperf_seconds": args.seconds or (3 if quick else 5),
+        "rounds": args.rounds or (2 if quick else 3),
+        "crr_seconds": 2.0 if quick else 3.0,
+        "crr_procs": 4,
+        "series_sets": SCRAPE_SERIES // 4 if args.series_sets is None else args.series_sets,
+        "scrapes": 3 if quick else 5,
+    }  # fmt: skip
     # 10k idle connections: client, both ztunnels and the echo server need the descriptors
     want = max(args.idle_conns * 2 + 1000, 65536)
     try:
@@ -1111,12 +1829,18 @@ def drive(args: argparse.Namespace) -> None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     started = time.monotonic()
-    with suite_bed(args.loop) as paths:
+    alone = None
+    if args.only in (None, "workers"):  # before the suite's bed: nothing else of ours runs
+        alone = standalone_memory(args.loop)
+        print(f"  memory of a ztunnel alone on its node: {alone}", file=sys.stderr)
+    with suite_bed(args.loop, workers=args.only in (None, "workers")) as (paths, wpaths):
         print(f"testbed up in {time.monotonic() - started:.1f}s", file=sys.stderr)
         hb = next(p for p in paths if p.name == "ztunnel-hbone")
         time.sleep(1.0)
         params["rss_kib_at_start"] = {k: rss_kib(pid) for k, pid in hb.pids.items()}
-        for p in paths:  # warm-up: HBONE pool, caches
+        # the main rows' ztunnels run the default worker count: how many processes that is
+        params["ztunnel_processes"] = {k: len(proc_tree(pid)) for k, pid in hb.pids.items()}
+        for p in paths if args.only != "workers" else []:  # warm-up: HBONE pool, caches
             run_crr(p, 0.3, 1)
             run_iperf(p, 1, 1)
 
@@ -1152,6 +1876,7 @@ def drive(args: argparse.Namespace) -> None:
             r = run_idle_memory(hb, server, args.idle_conns)
             hb.res["idle"] = [r]
             print(f"  idle: {r}", file=sys.stderr)
+        wres = run_workers(wpaths, wp, record, alone) if wpaths else None
         summary = summarize(paths)
     doc: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/suite.py", *sys.argv[1:]]),
@@ -1174,9 +1899,18 @@ def drive(args: argparse.Namespace) -> None:
         "summary": summary,
         "runs": {p.name: p.res for p in paths},
     }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if wres is not None:  # the worker rows have a file of their own (report.py reads both)
+        wdoc = {k: doc[k] for k in ("command", "when", "env")} | wres
+        wdoc["markdown"] = workers_markdown(wdoc)
+        (RESULTS / "suite_workers.json").write_text(json.dumps(wdoc, indent=2, default=str) + "\n")
+        (RESULTS / "suite_workers.md").write_text(wdoc["markdown"])
+        print(wdoc["markdown"])
+        print(f"wrote benchmarks/results/suite_workers.json and .md ({wres['elapsed_s']:.0f} s)")
+        if args.only == "workers":
+            return
     doc["targets"] = targets(summary)
     md = markdown(doc, paths)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     if not args.no_plots:
         doc["plots"] = plots(doc, paths)
         if doc["plots"]:
@@ -1197,7 +1931,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, help="iperf3 -t (3 quick / 10)")
     ap.add_argument("--idle-conns", type=int, default=10_000, help="0 to skip")
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
-    ap.add_argument("--only", choices=["tput", "rr", "hs", "idle"], help="one part (development)")
+    ap.add_argument(
+        "--only",
+        choices=["tput", "rr", "hs", "idle", "workers"],
+        help="one part (development; workers writes only results/suite_workers.*)",
+    )
+    ap.add_argument(
+        "--series-sets", type=int, help="workers: label sets for the scrape (10000: 40k series)"
+    )
     ap.add_argument("--no-plots", action="store_true")
     r = sub.add_parser("rr")
     r.add_argument("--ip", required=True)
@@ -1215,6 +1956,14 @@ def main() -> None:
     h.add_argument("--authority", help="HBONE: CONNECT to this host:port")
     h.add_argument("--ca", help="plain TLS: CA file")
     h.add_argument("--leaf", help="plain TLS: client certificate + key PEM")
+    se = sub.add_parser("series")
+    se.add_argument("--ip", required=True)
+    se.add_argument("--port", type=int, required=True)
+    se.add_argument("--n", type=int, default=10_000)
+    se.add_argument("--conns", type=int, default=8)
+    se.add_argument("--inflight", type=int, default=32)
+    se.add_argument("--ca-dir", required=True)
+    se.add_argument("--authority", required=True)
     i = sub.add_parser("idle")
     i.add_argument("--ip", required=True)
     i.add_argument("--port", type=int, required=True)
@@ -1224,6 +1973,8 @@ def main() -> None:
         run_rr(args.ip, args.port, args.rate, args.conns, args.seconds, args.size)
     elif args.cmd == "hs":
         run_hs(args)
+    elif args.cmd == "series":
+        run_series(args)
     elif args.cmd == "idle":
         run_idle(args.ip, args.port, args.n)
     else:

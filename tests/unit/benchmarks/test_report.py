@@ -112,8 +112,92 @@ def test_replace_block_swaps_only_the_marked_lines() -> None:
         report.replace_block("no markers here", "x")
 
 
+def _ratio(row: str, test: str, one: float, two: float, e1: float, e2: float) -> dict[str, Any]:
+    return {"row": row, "test": test, "one": one, "two": two, "scaling": two / one,
+            "per_core_one": e1, "per_core_two": e2, "efficiency": e2 / e1}  # fmt: skip
+
+
+WORKERS: dict[str, Any] = {
+    "command": "python benchmarks/suite.py --quick --only workers",
+    "when": "2026-12-01T13:30:00+0000",
+    "elapsed_s": 95.0,
+    "env": {"git_head": "fedcba9876543210", "git_dirty": False},
+    "params": {"quick": True, "rounds": 2},
+    "summary": {
+        "ztunnel-tcp/w1": {"tput_1": {"gbps": 6.0, "box_busy_cores": 1.99, "processes_a": 1}},
+        "ztunnel-tcp/w2": {"tput_1": {"gbps": 7.5}, "tput_8": {"processes_a": 3}},
+        "haproxy-inpod/t2": {"crr": {"conn_per_s": 3338.4, "conn_per_proxy_core_s": 7588.0}},
+        "ztunnel-hbone/w2": {"crr": {"conn_per_s": 784.4}},
+    },
+    "ratios": [
+        _ratio("ztunnel-tcp", "tput_1", 6.0, 7.5, 25.0, 24.0),
+        _ratio("haproxy-inpod", "tput_1", 6.4, 6.4, 25.0, 25.0),
+    ],
+    "memory_kib_at_rest": {
+        "w1_a": {"pss": 32256, "private": 30000, "rss": 50000, "processes": 1},
+        "w1_b": {"pss": 31744, "private": 30000, "rss": 50000, "processes": 1},
+        "w2_a": {"pss": 40960, "private": 38000, "rss": 90000, "processes": 3},
+        "w2_b": {"pss": 40448, "private": 38000, "rss": 90000, "processes": 3},
+    },
+    "memory_kib_alone": {
+        "w1": {"pss": 41779, "private": 40000, "rss": 51200, "processes": 1},
+        "w2": {"pss": 66560, "private": 39000, "rss": 156000, "processes": 4},
+        "w2_by_process": [
+            {"pid": 10, "ppid": 1, "pss": 26214, "private": 20000, "rss": 51000},
+            {"pid": 11, "ppid": 10, "pss": 12390, "private": 5000, "rss": 33000},
+            {"pid": 12, "ppid": 11, "pss": 13414, "private": 6000, "rss": 36000},
+            {"pid": 13, "ppid": 11, "pss": 13517, "private": 6000, "rss": 36000},
+        ],
+    },
+    "scrape": {
+        "w2": {
+            "series": 40123,
+            "plain_ms": 151.2,
+            "plain_cpu_ms": 140.4,
+            "gzip_ms": 250.0,
+            "gzip_cpu_ms": 230.0,
+            "plain_bytes": 36_000_000,
+        },
+    },
+    "targets": [
+        {"target": "scaling vs HAProxy", "want": ">= 0.90x", "shown": "1.25x", "met": True},
+        {"target": "PSS extra worker", "want": "<= 10 MiB", "shown": "8.5 / 8.5 MiB", "met": False},
+    ],
+}
+
+
+@pytest.mark.timeout(10)
+def test_worker_rows_carry_their_own_run_scaling_and_memory() -> None:
+    block = report.readme_block(DOC, WORKERS)
+    # the main table is unchanged by the worker rows, which follow it
+    assert report.readme_block(DOC).split("Every proxied figure")[0] in block
+    assert "2026-12-01T13:30:00+0000" in block and "`fedcba987654`" in block
+    assert "`python benchmarks/suite.py --quick --only workers`" in block
+    assert _row(block, "Gbit/s, 1 stream")[:4] == ["6.00", "7.50", "-", "-"]
+    assert _row(block, "box busy cores, 1 stream")[0] == "1.99"
+    assert _row(block, "processes per proxy (a side; ztunnel N=2: supervisor, zygote, 2 workers)")[
+        :2
+    ] == ["-", "3"]
+    assert _row(block, "new connections/s")[3] == "3338"
+    assert _row(block, "**connections per proxy core-second**")[3] == "7588"
+    # scaling 7.5/6.0 = 1.25x beside HAProxy's 1.00x, ratio 1.25x; efficiency 24/25
+    assert _row(block, "1 stream")[:3] == ["1.25x", "1.00x", "1.25x"]
+    assert _row(block, "1 stream")[6] == "0.96x / -x"
+    assert "N=1: **31.5 / 31.0 MiB PSS**" in block and "N=2: **40.0 / 39.5 MiB PSS**" in block
+    # alone on its node, by process: the root is the supervisor, the parent of the workers
+    # the zygote
+    assert "alone on its node: N=1: **40.8 MiB PSS** (one process;" in block
+    assert "N=2: **65.0 MiB PSS** (supervisor 25.6 + zygote 12.1 + workers 13.1/13.2;" in block
+    assert "N=2, 40123 series" in block and "151 ms and 140 ms of ztunnel CPU" in block
+    assert _row(block, "scaling vs HAProxy")[2] == "met"
+    assert _row(block, "PSS extra worker")[2] == "**MISSED**"
+    assert block.endswith(report.END)
+
+
 @pytest.mark.timeout(10)
 def test_readme_table_is_generated_from_the_committed_results() -> None:
     doc = json.loads((ROOT / "benchmarks" / "results" / "suite.json").read_text())
+    wpath = ROOT / "benchmarks" / "results" / "suite_workers.json"
+    workers = json.loads(wpath.read_text()) if wpath.exists() else None
     readme = (ROOT / "README.md").read_text()
-    assert report.readme_block(doc) in readme, "run: python benchmarks/report.py"
+    assert report.readme_block(doc, workers) in readme, "run: python benchmarks/report.py"

@@ -1,0 +1,81 @@
+"""benchmarks/suite.py: a proxy's CPU and memory are summed over its whole process tree (a
+ztunnel with workers is a supervisor and worker processes, possibly grandchildren)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _load() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_suite", ROOT / "benchmarks" / "suite.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_suite"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+suite = _load()
+
+# a parent that starts a busy child, which starts a busy grandchild, all of them living on
+_TREE = """
+import os, sys, time
+def spin(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+if os.fork() == 0:
+    if os.fork() == 0:
+        spin(0.3)
+        print("grandchild", os.getpid(), flush=True)
+        time.sleep(30)
+        os._exit(0)
+    spin(0.3)
+    print("child", os.getpid(), flush=True)
+    time.sleep(30)
+    os._exit(0)
+print("parent", os.getpid(), flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(20)
+def test_tree_counts_children_and_grandchildren() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        pids = {}
+        for _ in range(3):
+            who, pid = proc.stdout.readline().split()
+            pids[who] = int(pid)
+        tree = suite.proc_tree(proc.pid)
+        assert sorted(tree) == sorted(pids.values())
+        by_pid = suite.tree_cpu_by_pid(proc.pid)
+        assert by_pid[pids["child"]] >= 0.25 and by_pid[pids["grandchild"]] >= 0.25
+        assert suite.tree_cpu_seconds(proc.pid) >= 0.5
+        assert suite.tree_run_ns(proc.pid) >= 0.5e9
+        # bench_hbone's own helpers (bench_hbone.py, soak) count the same tree
+        assert suite.bh.cpu_seconds(proc.pid) >= 0.5
+        assert suite.bh._rss_kib(proc.pid) > 2.5 * suite.bh._rss_kib(pids["grandchild"])
+        mem = suite.tree_memory_kib(proc.pid)
+        assert mem["processes"] == 3
+        assert 0 < mem["private"] <= mem["pss"] <= mem["rss"]
+        # the tree's PSS counts the pages the forked processes share once, not three times
+        one = suite.tree_memory_kib(pids["grandchild"])
+        assert mem["rss"] > 2.5 * one["rss"] and mem["pss"] < mem["rss"]
+    finally:
+        for pid in sorted(suite.proc_tree(proc.pid), reverse=True):
+            os.kill(pid, 9)
+        proc.wait(5)
+        time.sleep(0.05)
