@@ -2,7 +2,8 @@
 
 Usage: ``python benchmarks/soak.py [--quick] [--phase-seconds S] [--rest-seconds S]`` (root;
 ``make soak``; about 17 minutes by default, 8 with ``--quick``). Results:
-``benchmarks/results/soak.json`` and ``soak.md``.
+``benchmarks/results/soak.json`` and ``soak.md``. ``--at-rest`` only measures the PSS at rest of
+both beds (anonymous and file-backed), in about two minutes.
 
 Two test beds, one after the other:
 
@@ -58,14 +59,19 @@ IDLE_CONNS = 2000
 
 
 def mem_kib(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) in KiB from /proc/PID/smaps_rollup."""
+    """(RSS, PSS) in KiB from /proc/PID/smaps_rollup, summed over the process and its workers
+    (PSS adds up; RSS counts the pages the workers share with the supervisor once per process)."""
     rss = pss = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Rss:"):
-                rss = int(line.split()[1])
-            elif line.startswith("Pss:"):
-                pss = int(line.split()[1])
+    for p in bh.proc_tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1])
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1])
+        except OSError:  # (a worker that just exited)
+            pass
     return rss, pss
 
 
@@ -85,6 +91,20 @@ def smaps_breakdown(pid: int) -> dict[str, int]:
                 )  # fmt: skip
             elif head and head[0] == "Rss:":
                 out[kind] += int(head[1])
+    return out
+
+
+def rest_detail(pid: int) -> dict[str, int]:
+    """The smaps_rollup fields that explain PSS at rest, KiB: anonymous (private to the process:
+    Python objects, heaps) and file-backed (libraries, shared with every process mapping them)."""
+    out: dict[str, int] = {"processes": 0}
+    for p in bh.proc_tree(pid):
+        out["processes"] += 1
+        with open(f"/proc/{p}/smaps_rollup") as f:
+            for line in f:
+                head = line.split()
+                if len(head) >= 2 and head[0] in ("Rss:", "Pss:", "Pss_Anon:", "Pss_File:"):
+                    out[head[0][:-1]] = out.get(head[0][:-1], 0) + int(head[1])
     return out
 
 
@@ -341,6 +361,8 @@ def drive(args: argparse.Namespace) -> None:
     phases: list[dict[str, Any]] = []
     at_rest: dict[str, Any] = {}
     want = set(args.phase or ["hbone-churn", "plaintext-churn", "idle-2000", "xds-workload-churn"])
+    if args.at_rest:
+        return at_rest_only(args.loop, rest)
     started = time.monotonic()
     samples: dict[str, list[dict[str, Any]]] = {}
     if want - {"xds-workload-churn"}:
@@ -428,6 +450,29 @@ def drive(args: argparse.Namespace) -> None:
     print(md)
 
 
+def at_rest_only(loop: str, rest: float) -> None:
+    """``--at-rest``: only the PSS at rest of both beds (each ztunnel ``rest`` s after start,
+    summed over its processes), with the anonymous/file split, for 1 and 2 data-plane workers
+    (``ZTUNNEL_WORKER_THREADS``); printed as JSON, nothing written."""
+    from ztunnel.testing.xdsbed import MeshPod, xds_mesh
+
+    doc: dict[str, Any] = {}
+    for workers in ("1", "2"):
+        env = {"ZTUNNEL_WORKER_THREADS": workers}
+        with bh.testbed([], loop, haproxy=False, env=env) as bed:
+            time.sleep(rest)
+            doc[f"dedicated, {workers} worker(s)"] = {
+                f"ztunnel-{k}": rest_detail(bed["zts"][k].pid) for k in ("a", "b")
+            }
+        pods_spec = [MeshPod(f"p{i}", f"n{1 + i % 2}", f"sa-{i}") for i in range(6)]
+        with xds_mesh(pods_spec, extra_env=env) as mesh:
+            time.sleep(rest)
+            doc[f"shared, {workers} worker(s)"] = {
+                f"ztunnel-{n}": rest_detail(zt.pid) for n, zt in mesh.ztunnels.items()
+            }
+    print(json.dumps(doc, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="60 s phases")
@@ -442,6 +487,9 @@ def main() -> None:
         action="append",
         choices=["hbone-churn", "plaintext-churn", "idle-2000", "xds-workload-churn"],
         help="run only these phases (repeatable)",
+    )
+    ap.add_argument(
+        "--at-rest", action="store_true", help="only PSS at rest of both beds (about 2 minutes)"
     )
     ap.add_argument("--procs", type=int, default=2, help="churn client processes")
     ap.add_argument("--batch", type=int, default=200, help="workloads per xDS push")

@@ -231,7 +231,7 @@ def hbone_server(data: bytes) -> None:
                 up, app = socket.socketpair()
                 up.setblocking(False)
                 apps.append(app)
-                tasks.append(loop.create_task(conn.bridge(ev.stream_id, up)))
+                tasks.append(asyncio.ensure_future(conn.bridge(ev.stream_id, up)))
             else:
                 conn.respond(ev.stream_id, 400, [], end_stream=True)
                 conn.charge()

@@ -368,8 +368,6 @@ def _parse_proxy_config(doc: Any, var: str) -> _ProxyConfig:
 def _proxy_config(env: Mapping[str, str], mesh_path: str) -> _ProxyConfig:
     """Rust ``construct_proxy_config``: mesh config ``defaultConfig``, then ``PROXY_CONFIG``; the
     metadata keys lose an ``ISTIO_META_`` prefix."""
-    import yaml  # local: only start-up needs it
-
     layers: list[_ProxyConfig] = []
     try:
         with open(mesh_path, encoding="utf-8") as f:
@@ -378,6 +376,11 @@ def _proxy_config(env: Mapping[str, str], mesh_path: str) -> _ProxyConfig:
         text = None
     except OSError as e:
         raise ConfigError("mesh config", f"cannot read {mesh_path}: {e}") from None
+    raw = env.get("PROXY_CONFIG")
+    if text is None and not raw:
+        return _ProxyConfig()  # nothing to parse: no PyYAML in memory (issue 18)
+    import yaml  # local: only start-up needs it
+
     if text is not None:
         try:
             mesh = yaml.safe_load(text)
@@ -386,7 +389,6 @@ def _proxy_config(env: Mapping[str, str], mesh_path: str) -> _ProxyConfig:
         if mesh is not None and not isinstance(mesh, dict):
             raise ConfigError("mesh config", f"{mesh_path}: want a mapping")
         layers.append(_parse_proxy_config((mesh or {}).get("defaultConfig"), "mesh config"))
-    raw = env.get("PROXY_CONFIG")
     if raw:
         try:
             doc = yaml.safe_load(raw)

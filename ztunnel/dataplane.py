@@ -139,10 +139,11 @@ class DataPlane:
             self._unsubscribe = self.state.subscribe(self._on_state_change)
             self._spawn(self._flush_metrics_forever())
         if (trim := self.config.malloc_trim_interval.total_seconds()) > 0:
+            from ztunnel.hbone.transport import release_scratch
             from ztunnel.net.malloc import IdleTrimmer
 
-            self.trimmer = IdleTrimmer()
-            if self.trimmer.available:
+            self.trimmer = IdleTrimmer(release=(release_scratch,))
+            if self.trimmer.available or self.trimmer.release:
                 self._spawn(self.trimmer.run(trim))
         if self.crl is not None and proxies:
             self._spawn(self._watch_crl(self.crl))

@@ -1189,6 +1189,35 @@ def registry_values(registry: CollectorRegistry) -> RegistryValues:
     return out
 
 
+def cumulative_families(registry: CollectorRegistry) -> frozenset[str]:
+    """The names of the counter and histogram families built here: what only ever grows."""
+    return frozenset(
+        m.family.name
+        for m in registry.collect()
+        if isinstance(m, _FamilySnapshot) and m.family.kind in ("counter", "histogram")
+    )
+
+
+def add_values(into: RegistryValues, more: RegistryValues, names: frozenset[str]) -> None:
+    """Add ``more``'s series of the families ``names`` into ``into`` (in place)."""
+    for name, values in more.items():
+        if name not in names:
+            continue
+        acc = into.setdefault(name, {})
+        for key, v in values.items():
+            old = acc.get(key)
+            if old is None:
+                acc[key] = v
+            elif isinstance(v, tuple):  # a histogram: (buckets, sum, count)
+                acc[key] = (
+                    tuple(a + b for a, b in zip(old[0], v[0], strict=True)),
+                    old[1] + v[1],
+                    old[2] + v[2],
+                )
+            else:
+                acc[key] = old + v
+
+
 class _Merged:
     """A collector yielding ``registry``'s families with the other processes' values added:
     counters, gauges and histograms sum series by label tuple (what Rust's one registry shared by

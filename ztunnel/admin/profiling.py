@@ -28,10 +28,14 @@ import gzip
 import sys
 import threading
 import time
-import tracemalloc
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import TYPE_CHECKING
+
+# tracemalloc (with pickle) is imported by the first heap request: memory at rest (issue 18).
+if TYPE_CHECKING:
+    import tracemalloc
 
 # (filename, function name, function's first line, current line), outermost first.
 Frame = tuple[str, str, int, int]
@@ -157,9 +161,13 @@ class Profiler:
 
     @staticmethod
     def heap_active() -> bool:
+        import tracemalloc
+
         return tracemalloc.is_tracing()
 
     def set_heap(self, active: bool) -> None:
+        import tracemalloc
+
         if active and not tracemalloc.is_tracing():
             tracemalloc.start(HEAP_FRAMES)
         elif not active and tracemalloc.is_tracing():
@@ -168,6 +176,8 @@ class Profiler:
 
     async def heap(self, seconds: float, top: int = HEAP_TOP) -> str:
         """Top allocations now if tracing is on; else trace for ``seconds`` first."""
+        import tracemalloc
+
         if not tracemalloc.is_tracing():
             if self._heap_owned:
                 raise ProfileBusy("a heap profile is already being taken")
@@ -185,6 +195,8 @@ class Profiler:
 
 def heap_report(snapshot: tracemalloc.Snapshot, top: int = HEAP_TOP) -> str:
     """Text: the total traced, then the ``top`` tracebacks by size (innermost frame first)."""
+    import tracemalloc
+
     snapshot = snapshot.filter_traces(
         (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__))
     )

@@ -28,21 +28,19 @@ import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-import dns.edns
-import dns.exception
-import dns.flags
-import dns.message
-import dns.name
-import dns.rcode
-import dns.rdatatype
-import dns.rrset
+from typing import TYPE_CHECKING
 
 from ztunnel.core.addr import IPAddr, SocketAddr, parse_ip
 from ztunnel.dns import names, wire
 from ztunnel.dns.names import Name
 from ztunnel.logs import RateLimitedLog
 from ztunnel.proxy.sockets import SocketFactory
+
+# dnspython is imported with the first upstream reply (see wire.py).
+if TYPE_CHECKING:
+    import dns.message
+
+    Answered = tuple[dns.message.Message, bytes]  # the parsed reply and its bytes
 
 log = logging.getLogger("ztunnel.dns")
 
@@ -166,6 +164,10 @@ class _Entry:
 def response_ttl(msg: dns.message.Message) -> int | None:
     """How long a response may be cached: the smallest TTL of its records, or for a negative
     answer the SOA's (RFC 2308); None for what is never cached (errors, truncated, no TTL)."""
+    import dns.flags
+    import dns.rcode
+    import dns.rdatatype
+
     rcode = msg.rcode()
     if msg.flags & dns.flags.TC or rcode not in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
         return None
@@ -215,6 +217,9 @@ def render(msg: dns.message.Message, do: bool) -> Rendered:
     a TCP answer is complete); with EDNS for EDNS clients, without for the others (an extended
     rcode they cannot see becomes SERVFAIL). Rendered once by dnspython; the variant without
     EDNS is the same bytes less the OPT record."""
+    import dns.flags
+    import dns.message
+
     rcode = msg.rcode()
     r = dns.message.Message(id=0)
     r.flags = msg.flags & ~dns.flags.TC
@@ -269,7 +274,7 @@ def _variants(
     (ar,) = struct.unpack_from("!H", plain, 10)
     struct.pack_into("!H", plain, 10, ar - 1)
     flags = struct.unpack_from("!H", plain, 2)[0] & ~0xF
-    struct.pack_into("!H", plain, 2, flags | (rcode if rcode <= 15 else dns.rcode.SERVFAIL))
+    struct.pack_into("!H", plain, 2, flags | (rcode if rcode <= 15 else wire.SERVFAIL))
     pttls = tuple(o if o < start else o - cut for o in ttls)
     return Rendered(e, ttls, bytes(plain), pttls, failed)
 
@@ -453,7 +458,7 @@ class Forwarder:
             target = SocketAddr(server, self.port)
             try:
                 msg = await self._udp(target, query, qid, req, min(per_try, left))
-                if msg is not None and msg[0].flags & dns.flags.TC:
+                if msg is not None and msg[0].flags & wire.TC:
                     left = end - loop.time()
                     if left <= 0.01:
                         break
@@ -523,9 +528,6 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n:
     return bytes(buf)
 
 
-Answered = tuple[dns.message.Message, bytes]  # the parsed reply and its bytes
-
-
 def _accept(data: bytes, qid: int, req: wire.Request) -> Answered | None:
     """The upstream reply if it answers our query (ID, QR, one question: ours), else None."""
     q = req.question
@@ -537,6 +539,8 @@ def _accept(data: bytes, qid: int, req: wire.Request) -> Answered | None:
     # the message, so never compressed: compare its bytes (case-insensitively).
     if rid != qid or not flags & wire.QR or qd != 1 or data[12 : 12 + len(q)].lower() != q.lower():
         return None
+    import dns.message
+
     try:
         msg = dns.message.from_wire(data, ignore_trailing=True)
     except Exception:  # dnspython raises many kinds on bad input; all mean "not an answer"
@@ -555,4 +559,6 @@ def _key(req: wire.Request) -> CacheKey:
 
 
 def _failed(msg: dns.message.Message) -> bool:
+    import dns.rcode
+
     return msg.rcode() != dns.rcode.NOERROR or not msg.answer

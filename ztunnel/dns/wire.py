@@ -20,17 +20,17 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass
-
-import dns.exception
-import dns.flags
-import dns.message
-import dns.name
-import dns.opcode
-import dns.rcode
+from typing import TYPE_CHECKING
 
 from ztunnel.core.addr import IPAddr
 from ztunnel.dns import names
 from ztunnel.dns.names import Name
+
+# dnspython (about 3.8 MiB of a process's memory, issue 18) is imported only when a message
+# needs it: a query off the fast path here, a reply from upstream in the forwarder.
+if TYPE_CHECKING:
+    import dns.message
+    import dns.name
 
 HEADER = struct.Struct("!HHHHHH")
 QR = 0x8000
@@ -179,6 +179,9 @@ def parse_fast(wire: bytes) -> Request | None:
 
 
 def _parse_slow(wire: bytes) -> Request | FormErr:
+    import dns.flags
+    import dns.message
+
     qid, flags = struct.unpack_from("!HH", wire)
     try:
         msg = dns.message.from_wire(wire, ignore_trailing=False)
@@ -277,9 +280,22 @@ def rcode_of(wire: bytes) -> int:
     return int(struct.unpack_from("!H", wire, 2)[0]) & 0xF
 
 
+# dnspython's names of the usual query types (tests/unit/dns/test_wire.py checks them against
+# it), so that answering these needs no dnspython.
+_TYPE_TEXT = {
+    1: "a", 2: "ns", 5: "cname", 6: "soa", 12: "ptr", 15: "mx", 16: "txt", 28: "aaaa",
+    33: "srv", 35: "naptr", 43: "ds", 48: "dnskey", 64: "svcb", 65: "https", 255: "any",
+    257: "caa",
+}  # fmt: skip
+
+
 @functools.lru_cache(maxsize=256)
 def type_text(qtype: int) -> str:
     """The metric label: the record type name in lower case (``a``, ``aaaa``, ``type65535``)."""
+    known = _TYPE_TEXT.get(qtype)
+    if known is not None:
+        return known
+    import dns.exception
     import dns.rdatatype
 
     try:
@@ -289,6 +305,9 @@ def type_text(qtype: int) -> str:
 
 
 def opcode_text(opcode: int) -> str:
+    import dns.exception
+    import dns.opcode
+
     try:
         return dns.opcode.to_text(dns.opcode.Opcode.make(opcode))
     except (ValueError, dns.exception.DNSException):
@@ -311,4 +330,6 @@ def question_name(req: Request) -> str | None:
 
 
 def rcode_text(rcode: int) -> str:
+    import dns.rcode
+
     return dns.rcode.to_text(dns.rcode.Rcode.make(rcode))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import socket
 import ssl
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
@@ -60,14 +62,28 @@ class _Scratch(threading.local):
     is copied. So sharing is as safe as reusing a per-connection buffer, and a pooled connection
     costs no 768 KiB of its own: with 100 streams per connection that was 7.7 KiB per idle
     tunnelled connection on each side.
+
+    The read and decrypt buffers are anonymous maps, resident only once touched, and
+    :meth:`release` (the idle trimmer, every few seconds) gives their pages back: a ztunnel that
+    has carried no HBONE since holds none of them (memory at rest, issue 18). Under load that is a
+    few hundred zero-filled page faults per trim interval.
     """
 
     def __init__(self) -> None:
-        self.recv = bytearray(_RECV_SIZE)
+        # Private (not mmap's default, shared): freed by MADV_DONTNEED, copied on write by a fork.
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self.recv = mmap.mmap(-1, _RECV_SIZE, flags=private)
         self.recv_view = memoryview(self.recv)
-        self.plain_view = memoryview(bytearray(_PLAIN_SIZE))
+        self._plain = mmap.mmap(-1, _PLAIN_SIZE, flags=private)
+        self.plain_view = memoryview(self._plain)
         # TCP -> HTTP/2 framing buffers by DATA frame size (one in practice: 64 KiB).
         self._tx: dict[int, _TxBuffer] = {}
+
+    def release(self) -> None:
+        """Return the buffers' pages to the kernel (their contents never outlive a callback)."""
+        for m in (self.recv, self._plain):
+            m.madvise(mmap.MADV_DONTNEED)
+        self._tx.clear()  # made again by the next send
 
     def tx(self, frame: int) -> _TxBuffer:
         t = self._tx.get(frame)
@@ -107,6 +123,14 @@ class _TxBuffer:
 
 
 _scratch = _Scratch()
+
+
+def release_scratch() -> None:
+    """This thread's HBONE scratch buffers go back to the kernel until next used (call it between
+    callbacks, on the event loop's thread: the idle trimmer does)."""
+    _scratch.release()
+
+
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
 _CONTROL_BACKLOG = 64 * 1024  # stop reading a peer that left this much of our replies unread
 # Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
@@ -226,8 +250,47 @@ class _PendingWrite:
     flow: int  # flow-controlled bytes to acknowledge once written
 
 
+class _BridgeDone(asyncio.Future["StreamBridge"]):
+    """A bridge's completion. Cancelling it (the awaiting task was cancelled: drain, policy,
+    deleted pod) aborts the bridge, as the coroutine that awaited it used to."""
+
+    __slots__ = ("bridge",)
+
+    def __init__(self, bridge: StreamBridge, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.bridge: StreamBridge | None = bridge
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        b, self.bridge = self.bridge, None
+        if b is not None:
+            b.abort(ConnectionLost("connection closed due to connection drain"))
+        return True
+
+
 class StreamBridge:
     """Copies one TCP socket <-> one HTTP/2 stream. Owns (and finally closes) the socket."""
+
+    # One per tunnelled connection for its whole life: no __dict__ (memory per idle connection).
+    __slots__ = (
+        "_error",
+        "_fin_sent",
+        "_finished",
+        "_h2_eof",
+        "_pending",
+        "_reading",
+        "_tcp_eof",
+        "_writer_armed",
+        "conn",
+        "counters",
+        "done",
+        "fd",
+        "h2_to_tcp",
+        "sock",
+        "stream_id",
+        "tcp_to_h2",
+    )
 
     def __init__(
         self,
@@ -251,9 +314,11 @@ class StreamBridge:
         self._writer_armed = False
         self._finished = False
         self._error: BaseException | None = None
-        # Resolved with ``error`` when the bridge finishes. HboneConnection.bridge awaits it
-        # directly, so cancelling that task cancels this future: _finished is the state.
-        self.done: asyncio.Future[BaseException | None] = conn.loop.create_future()
+        # Resolved with the bridge itself when it finishes (HboneConnection.bridge returns it);
+        # cancelled by the task awaiting it being cancelled, which aborts the bridge. Dropped at
+        # the finish, so the future (holding the bridge as its result) and the bridge never
+        # form a cycle: a finished connection is freed by refcounting.
+        self.done: _BridgeDone | None = _BridgeDone(self, conn.loop)
 
     @property
     def error(self) -> BaseException | None:
@@ -286,8 +351,11 @@ class StreamBridge:
         self.conn._bridges.pop(self.stream_id, None)
         if self.conn.goaway:
             self.conn.loop.call_soon(self.conn.close_if_idle)
-        if not self.done.done():  # (cancelled with the task awaiting it)
-            self.done.set_result(error)
+        done, self.done = self.done, None
+        if done is not None:
+            done.bridge = None
+            if not done.done():  # (cancelled with the task awaiting it)
+                done.set_result(self)
 
     def abort(self, error: BaseException) -> None:
         """Connection-level failure or cancellation: reset the stream, drop the socket."""
@@ -860,6 +928,10 @@ class HboneConnection:
         if self._closing:
             return
         self._closing = True
+        # No request comes after this: drop the callback, which usually closes over this
+        # connection (the inbound handler's), so the pair is freed by refcounting rather than
+        # left, with its grown stream tables, for a full GC (issue 18).
+        self.on_request = None
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
@@ -1015,16 +1087,21 @@ class HboneConnection:
             if isinstance(ev, h2.DataReceived):
                 self.h2.acknowledge_received_data(stream_id, ev.flow_controlled_length)
 
-    async def bridge(
+    def bridge(
         self, stream_id: int, sock: socket.socket, counters: CopyCounters | None = None
-    ) -> StreamBridge:
+    ) -> asyncio.Future[StreamBridge]:
         """Copy between ``sock`` and the stream until both directions end; closes ``sock``.
 
-        The returned bridge carries the byte counts and ``error`` (None for a clean end)."""
+        Await the returned future for the bridge, which carries the byte counts and ``error``
+        (None for a clean end). Cancelling it (as cancelling the task awaiting it does) aborts
+        the bridge. A plain function, not a coroutine: an idle tunnelled connection holds no
+        coroutine frame here (memory per connection, issue 18)."""
         b = StreamBridge(self, stream_id, sock, counters)
+        done = b.done
+        assert done is not None
         if self.closed.done():
             b._finish(ConnectionLost(f"HBONE connection is closed: {self.error}"))
-            return b
+            return done
         self._bridges[stream_id] = b
         early = self._early.pop(stream_id, ())
         b.start()
@@ -1037,12 +1114,7 @@ class HboneConnection:
                 b.on_reset(ev.error_code)
         if early:
             self.flush()
-        try:
-            await b.done  # (no shield: cancelling cancels b.done, and abort still runs)
-        except asyncio.CancelledError:
-            b.abort(ConnectionLost("connection closed due to connection drain"))
-            raise
-        return b
+        return done
 
 
 _MAX_IOV = 256  # DATA payloads per sendmsg (the kernel takes up to 1024 iovecs)

@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import logging
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("ztunnel.net")
 
@@ -84,10 +85,17 @@ class _MallInfo2(ctypes.Structure):
 
 
 class IdleTrimmer:
-    """Returns the heaps' free memory to the kernel once it exceeds ``min_free`` (glibc only)."""
+    """Returns the heaps' free memory to the kernel once it exceeds ``min_free`` (glibc only).
 
-    def __init__(self, min_free: int = TRIM_MIN_FREE) -> None:
+    ``release``: callables run on every tick before the trim, on the event loop between
+    callbacks (buffers held outside the heap give their pages back there).
+    """
+
+    def __init__(
+        self, min_free: int = TRIM_MIN_FREE, release: tuple[Callable[[], None], ...] = ()
+    ) -> None:
         self.min_free = min_free
+        self.release = release
         self.trims = 0
         self.seconds = 0.0  # time spent in malloc_trim, for the runtime stats
         libc = _libc()
@@ -127,4 +135,6 @@ class IdleTrimmer:
     async def run(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
+            for fn in self.release:
+                fn()
             self.maybe_trim()

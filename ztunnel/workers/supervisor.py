@@ -35,7 +35,7 @@ from ztunnel.core.identity import Identity
 from ztunnel.dataplane import DataPlane
 from ztunnel.identity.certs import WorkloadCertificate
 from ztunnel.identity.manager import SecretManager
-from ztunnel.metrics import RegistryValues, merged_registry
+from ztunnel.metrics import RegistryValues, add_values, cumulative_families, merged_registry
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.store import ChangeKind, State, StateChange
 from ztunnel.workers import messages as m
@@ -81,6 +81,7 @@ class _Worker:
     )
     requests: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     certs: set[Identity] = field(default_factory=set)
+    last_metrics: RegistryValues | None = None  # its series at the last scrape
 
     def send(self, msg: Any, fds: Iterable[int] = (), *, encoded: bytes | None = None) -> bool:
         if self.channel is None or self.channel.closed:
@@ -165,6 +166,8 @@ class WorkerPool:
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._metrics_memo: dict[str, dict[tuple[str, ...], Any]] = {}
+        self._retired: RegistryValues = {}  # dead workers' counters, as last scraped
+        self._cumulative: frozenset[str] | None = None
         state.subscribe(self._on_state_change)
         secrets.on_certificate = self._on_certificate
         secrets.on_forget = self._on_forget
@@ -211,6 +214,11 @@ class WorkerPool:
             self._send_pod(w, inst)
 
     def _on_close(self, w: _Worker) -> None:
+        if w.last_metrics is not None:  # (what it counted up to its last scrape, kept)
+            if self._cumulative is None:
+                self._cumulative = cumulative_families(self.registry)
+            add_values(self._retired, w.last_metrics, self._cumulative)
+            w.last_metrics = None
         for fut in w.requests.values():
             if not fut.done():
                 fut.set_exception(ConnectionError(f"worker {w.index} exited"))
@@ -362,25 +370,30 @@ class WorkerPool:
 
     # --- requests ------------------------------------------------------------------------------
 
+    def _up(self) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.ready.done() and not w.ready.exception()]
+
     async def _ask(self, make: Any, timeout: float = QUERY_TIMEOUT) -> list[Any]:
-        futs = []
-        for w in list(self.workers.values()):
-            if not w.ready.done() or w.ready.exception() is not None:
-                continue
-            self._requests += 1
-            rid = self._requests
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            w.requests[rid] = fut
-            if w.send(make(rid)):
-                futs.append(fut)
-            else:
-                w.requests.pop(rid, None)
-        if not futs:
-            return []
-        done, pending = await asyncio.wait(futs, timeout=timeout)
-        for fut in pending:
-            fut.cancel()
-        return [f.result() for f in done if not f.cancelled() and f.exception() is None]
+        """Every running worker's answer (those that answered in time)."""
+        got = await asyncio.gather(*(self._ask_one(w, make, timeout) for w in self._up()))
+        return [g for g in got if g is not None]
+
+    async def _ask_one(self, w: _Worker, make: Any, timeout: float = QUERY_TIMEOUT) -> Any:
+        """One worker's answer, or None (gone, or no answer in time)."""
+        self._requests += 1
+        rid = self._requests
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        w.requests[rid] = fut
+        if not w.send(make(rid)):
+            w.requests.pop(rid, None)
+            return None
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except (TimeoutError, ConnectionError):
+            return None
+        finally:
+            w.requests.pop(rid, None)
 
     async def query(self, what: str, *args: Any, timeout: float = QUERY_TIMEOUT) -> list[Any]:
         return await self._ask(lambda rid: m.Query(what, rid, args), timeout=timeout)
@@ -399,9 +412,19 @@ class WorkerPool:
         return out
 
     async def scrape_registry(self) -> CollectorRegistry:
-        """The supervisor's registry with every worker's series added (one scrape)."""
-        values: list[RegistryValues] = await self.query("metrics")
-        return merged_registry(self.registry, values, self._metrics_memo)
+        """The supervisor's registry with every worker's series added (one scrape), and the
+        counters of workers that died: a restart must not look like a counter reset (which
+        Prometheus' rate() would read as a burst of everything the others counted)."""
+        live = self._up()
+        replies = await asyncio.gather(
+            *(self._ask_one(w, lambda rid: m.Query("metrics", rid)) for w in live)
+        )
+        values: list[RegistryValues] = []
+        for w, got in zip(live, replies, strict=True):
+            if got is not None:
+                w.last_metrics = got
+                values.append(got)
+        return merged_registry(self.registry, [*values, self._retired], self._metrics_memo)
 
     async def refresh_live(self) -> None:
         """Every pod's live connections, as the workers report them now."""

@@ -208,3 +208,9 @@ def test_type_text() -> None:
         "https",
         "type65280",
     ]
+
+
+def test_type_text_table_is_dnspythons() -> None:
+    # the usual types are named without dnspython; the names must be its own
+    for qtype, text in wire._TYPE_TEXT.items():
+        assert dns.rdatatype.to_text(dns.rdatatype.RdataType.make(qtype)).lower() == text

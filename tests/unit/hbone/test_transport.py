@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
+import os
 import socket
 import ssl
 import struct
@@ -18,10 +20,13 @@ import pytest
 
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone import transport
 from ztunnel.hbone.transport import (
     ConnectionLost,
     HboneConnection,
     StreamBridge,
+    _BridgeDone,
+    release_scratch,
     tls_handshake,
 )
 from ztunnel.identity.localca import LocalCA
@@ -57,7 +62,7 @@ class Tunnel:
 
     app: socket.socket
     upstream: socket.socket
-    client_bridge: asyncio.Task[StreamBridge]
+    client_bridge: asyncio.Future[StreamBridge]
     server_bridge: asyncio.Future[StreamBridge]
 
 
@@ -68,7 +73,7 @@ class Pair:
     raw_client: socket.socket
     raw_server: socket.socket
     pending: list[asyncio.Future[tuple[int, socket.socket]]] = field(default_factory=list)
-    tasks: set[asyncio.Task[StreamBridge]] = field(default_factory=set)
+    tasks: set[asyncio.Future[StreamBridge]] = field(default_factory=set)
 
     async def tunnel(self) -> Tunnel:
         loop = asyncio.get_running_loop()
@@ -77,12 +82,12 @@ class Pair:
         app, proxy_in = tcp_pair()
         sid, resp = await self.client.open_stream("10.0.0.2:8080", [("forwarded", "for=x")])
         assert resp.status == 200
-        client_bridge = loop.create_task(self.client.bridge(sid, proxy_in))
+        client_bridge = asyncio.ensure_future(self.client.bridge(sid, proxy_in))
         _, upstream = await accepted
         server_bridge = self._server_bridges.pop(sid)
         return Tunnel(app, upstream, client_bridge, server_bridge)
 
-    _server_bridges: dict[int, asyncio.Task[StreamBridge]] = field(default_factory=dict)
+    _server_bridges: dict[int, asyncio.Future[StreamBridge]] = field(default_factory=dict)
 
 
 @contextlib.asynccontextmanager
@@ -91,7 +96,6 @@ async def hbone_pair(
     client_h2: dict[str, int] | None = None,
     server_h2: dict[str, int] | None = None,
 ) -> AsyncIterator[Pair]:
-    loop = asyncio.get_running_loop()
     tc, ts = tcp_pair()
     (cs, ci, co, _), (ss, si, so, _) = await asyncio.gather(
         tls_handshake(tc, contexts[0], server_side=False),
@@ -104,7 +108,7 @@ async def hbone_pair(
         assert ("forwarded", "for=x") in ev.headers
         proxy_out, upstream = tcp_pair()
         conn.respond(ev.stream_id, 200, [], end_stream=False)
-        task = loop.create_task(conn.bridge(ev.stream_id, proxy_out))
+        task = asyncio.ensure_future(conn.bridge(ev.stream_id, proxy_out))
         pair._server_bridges[ev.stream_id] = task
         pair.pending.pop(0).set_result((ev.stream_id, upstream))
 
@@ -339,6 +343,57 @@ async def test_a_connection_owns_no_bulk_buffers(contexts) -> None:
     assert per_pair < 128 * 1024, f"{per_pair / 1024:.0f} KiB per connection pair"
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_scratch_release_gives_the_pages_back() -> None:
+    s = transport._Scratch()
+    s.recv_view[:] = b"\x01" * len(s.recv_view)
+    s.plain_view[:] = b"\x02" * len(s.plain_view)
+    s.tx(16384)
+    touched = _rss_kib()
+    s.release()
+    # 768 KiB of read/decrypt buffers (less whatever else the process did meanwhile)
+    assert touched - _rss_kib() > 600, (touched, _rss_kib())
+    assert s.recv_view[:64] == bytes(64) and s.plain_view[-64:] == bytes(64)
+    assert not s._tx
+
+
+def test_scratch_is_private_to_each_forked_worker() -> None:
+    """Workers are forked after the imports: a worker's writes to its scratch buffers must not
+    reach another process's (MAP_PRIVATE, not mmap's default MAP_SHARED)."""
+    s = transport._Scratch()
+    s.recv_view[:4] = b"mine"
+    pid = os.fork()
+    if pid == 0:  # the child: scribble, then leave without running any cleanup
+        s.recv_view[:4] = b"kid!"
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert bytes(s.recv_view[:4]) == b"mine"
+
+
+@pytest.mark.both_loops
+async def test_streams_carry_on_after_the_scratch_is_released(contexts) -> None:
+    """What the idle trimmer does between callbacks: the next reads fault zero pages in."""
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        for i in range(6):
+            msg = payload(100_000 + i, i)
+            t.app.send(msg)
+            got = await recv_exact(t.upstream, len(msg))
+            assert got == msg
+            t.upstream.send(got[::-1])
+            assert await recv_exact(t.app, len(msg)) == msg[::-1]
+            release_scratch()
+        t.app.close()
+        t.upstream.close()
+
+
 @pytest.mark.both_loops
 async def test_half_close_each_way(contexts) -> None:
     async with hbone_pair(contexts) as p:
@@ -450,6 +505,82 @@ async def test_cancelling_a_bridge_resets_its_stream_only(contexts) -> None:
         assert p.client.active_streams == 1
         for s in (t.app, t.upstream, other.app, other.upstream):
             s.close()
+
+
+@pytest.mark.both_loops
+async def test_finished_bridges_are_freed_by_refcounting(contexts) -> None:
+    """No reference cycle per connection (issue 18): with the cyclic GC off, the bridges and
+    their futures of finished tunnels are gone once the caller drops them."""
+
+    def alive() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) in (StreamBridge, _BridgeDone))
+
+    gc.collect()
+    gc.disable()
+    try:
+        async with hbone_pair(contexts) as p:
+            for _ in range(5):
+                t = await p.tunnel()
+                t.app.send(b"x")
+                assert await recv_exact(t.upstream, 1) == b"x"
+                t.app.shutdown(socket.SHUT_WR)
+                assert await recv_all(t.upstream) == b""
+                t.upstream.shutdown(socket.SHUT_WR)
+                assert await recv_all(t.app) == b""
+                assert (await t.client_bridge).error is None
+                assert (await t.server_bridge).error is None
+                t.app.close()
+                t.upstream.close()
+                del t
+            await asyncio.sleep(0.05)
+            assert alive() == 0
+    finally:
+        gc.enable()
+
+
+async def test_closed_connections_are_freed_by_refcounting(contexts) -> None:
+    """The server's request callback closes over the pair here (as the inbound handler's does
+    over its connection): once closed, no connection is left for the cyclic GC (issue 18)."""
+    gc.collect()
+    gc.disable()
+    try:
+        async with hbone_pair(contexts) as p:
+            t = await p.tunnel()
+            t.app.send(b"x")
+            assert await recv_exact(t.upstream, 1) == b"x"
+            t.app.close()
+            t.upstream.close()
+            del t
+        del p
+        await asyncio.sleep(0.1)
+        assert sum(1 for o in gc.get_objects() if type(o) is HboneConnection) == 0
+    finally:
+        gc.enable()
+
+
+@pytest.mark.both_loops
+async def test_cancelling_the_task_awaiting_a_bridge_aborts_it(contexts) -> None:
+    """The proxy's way (drain, policy re-check): the handler task awaiting the bridge is
+    cancelled; the bridge is aborted and leaves no reference cycle behind."""
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+
+        async def handler() -> StreamBridge:
+            return await t.client_bridge
+
+        task = asyncio.create_task(handler())
+        t.app.send(b"x")
+        assert await recv_exact(t.upstream, 1) == b"x"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert t.client_bridge.cancelled()
+        assert await recv_all(t.upstream) == b""  # the far side sees the stream end
+        assert (await t.server_bridge).error is None
+        assert p.client.active_streams == 0
+        assert t.client_bridge.bridge is None  # type: ignore[attr-defined]
+        t.app.close()
+        t.upstream.close()
 
 
 # --- hostile peers (issue 13) -------------------------------------------------------------

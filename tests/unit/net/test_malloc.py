@@ -55,3 +55,14 @@ async def test_run_trims_every_interval() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert trimmer.trims >= 2 or not trimmer.available
+
+
+async def test_run_calls_the_releasers_every_interval() -> None:
+    calls: list[int] = []
+    trimmer = IdleTrimmer(release=(lambda: calls.append(1),))
+    task = asyncio.create_task(trimmer.run(0.01))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(calls) >= 2

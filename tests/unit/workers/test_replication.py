@@ -115,3 +115,18 @@ def test_repeated_scrapes_do_not_accumulate_and_drop_vanished_series() -> None:
     assert 't_conns_total{reporter="source"} 3' in second  # the same, not 6
     assert 't_dur_count{k="x"} 2' in second
     assert "gone" not in second
+
+
+def test_cumulative_values_add_up_and_gauges_are_left_out() -> None:
+    from ztunnel.metrics import add_values, cumulative_families
+
+    reg, _, _ = _registry(1)
+    Family("t_open", "open", "gauge", ("k",), registry=reg).labels("x").set(3)
+    names = cumulative_families(reg)
+    assert names == {"t_conns", "t_dur"}
+    acc: dict[str, dict[tuple[str, ...], Any]] = {}
+    add_values(acc, registry_values(reg), names)
+    add_values(acc, registry_values(reg), names)
+    assert acc["t_conns"][("source",)] == 2
+    assert acc["t_dur"][("x",)][2] == 2  # the count of two histograms
+    assert "t_open" not in acc
