@@ -73,6 +73,8 @@ class ProxyInstance:
         self.name = name or f"{info.namespace}/{info.name}"
         self._extra_ips = extra_local_ips
         self._identity: Identity | None = None
+        self._ips_of: Workload | None = None
+        self._ips: frozenset[IPAddr] = frozenset()
         self.sockets = SocketFactory(
             mark=config.packet_mark,
             netns_fd=netns_fd,
@@ -126,7 +128,9 @@ class ProxyInstance:
         wl = self.workload()
         if wl is None:
             return self._extra_ips
-        return self._extra_ips.union(wl.addresses)
+        if wl is not self._ips_of:  # (one set per workload object, not one per connection)
+            self._ips_of, self._ips = wl, self._extra_ips.union(wl.addresses)
+        return self._ips
 
     # --- lifecycle ----------------------------------------------------------------------------
 
