@@ -1,8 +1,11 @@
 """The composition root: build every component from the Config, bind every listener, run, drain.
 
-Nothing else constructs long-lived components; they are built here and passed down. In dedicated
+Nothing else constructs long-lived components (but a data-plane worker process, which builds its
+own proxies in ``ztunnel.workers.worker``); they are built here and passed down. In dedicated
 mode every listener is bound before any starts accepting, so a bind failure stops start-up
 cleanly. In shared (in-pod) mode the listeners are bound per pod as the node agent hands pods over.
+With ``ZTUNNEL_WORKER_THREADS`` >= 2 this process is the supervisor: it still binds every
+listener, and ``ztunnel.workers.supervisor`` hands them to the workers that accept from them.
 """
 
 from __future__ import annotations
