@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ if str(ROOT) not in sys.path:
 from bench_hbone import proc_tree  # noqa: E402
 
 from ztunnel.inpod.protocol import WorkloadInfo  # noqa: E402
+from ztunnel.testing.apps import start_dnsmasq  # noqa: E402
 from ztunnel.testing.netns import External, NsProcess, Pod, Testbed  # noqa: E402
 from ztunnel.testing.nodeagent import FakeNodeAgent  # noqa: E402
 from ztunnel.testing.proc import ZtunnelProcess  # noqa: E402
@@ -88,30 +88,7 @@ def rss_kib(pid: int) -> int:
 
 
 def dnsmasq(host: Pod | External, listen: str, port: int, *extra: str) -> NsProcess:
-    proc = host.popen(
-        "dnsmasq",
-        "--keep-in-foreground",
-        "--conf-file=/dev/null",
-        "--no-resolv",
-        "--no-hosts",
-        "--no-poll",
-        "--pid-file=",
-        "--user=root",
-        "--log-facility=/dev/null",
-        "--bind-interfaces",
-        f"--listen-address={listen}",
-        f"--port={port}",
-        "--cache-size=4096",
-        *extra,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if f"{listen}:{port}" in host.run("ss", "-Hlnu", check=False).stdout:
-            return proc
-        time.sleep(0.05)
-    raise RuntimeError("dnsmasq did not start")
+    return start_dnsmasq(host, (listen,), "--cache-size=4096", *extra, port=port)
 
 
 def run_dnsperf(

@@ -13,7 +13,6 @@ import os
 import re
 import socket
 import struct
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ import pytest
 from ztunnel.core.addr import parse_ip
 from ztunnel.inpod.protocol import WorkloadInfo
 from ztunnel.state.model import NetworkAddress, Service, ServicePort, TunnelProtocol, Workload
-from ztunnel.testing.apps import listen_in, socket_in
+from ztunnel.testing.apps import listen_in, socket_in, start_dnsmasq
 from ztunnel.testing.netns import External, NsProcess, Pod, Testbed
 from ztunnel.testing.nodeagent import FakeNodeAgent
 from ztunnel.testing.proc import ZtunnelProcess
@@ -129,37 +128,19 @@ def ips_of(res: dict[str, object]) -> list[str]:
     return sorted(a[4] for a in res["answers"] if a[3] in ("A", "AAAA"))  # type: ignore[union-attr]
 
 
-def start_dnsmasq(host: External, log_path: str) -> NsProcess:
-    """dnsmasq as a plain foreground process in its own netns: no config file, no hosts file,
-    no upstream of its own, no pid file; authoritative for example.test and cluster.local."""
-    proc = host.popen(
-        "dnsmasq",
-        "--keep-in-foreground",
-        "--conf-file=/dev/null",
-        "--no-resolv",
-        "--no-hosts",
-        "--no-poll",
-        "--pid-file=",
-        "--user=root",
-        f"--log-facility={log_path}",
+def start_upstream(host: External, log_path: str) -> NsProcess:
+    """The upstream resolver: dnsmasq authoritative for example.test and cluster.local, logging
+    every query it gets."""
+    return start_dnsmasq(
+        host,
+        (host.ip4, host.ip6),
         "--log-queries",
-        "--bind-interfaces",
-        f"--listen-address={host.ip4}",
-        f"--listen-address={host.ip6}",
         "--local=/example.test/",
         "--local=/cluster.local/",
         "--host-record=web.example.test,10.9.9.9,fd00:9::9",
         f"--txt-record=big.example.test,{BIG_TXT}",
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        log=log_path,
     )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        r = host.run("ss", "-Hlnu", "sport = :53", check=False)
-        if host.ip4 in r.stdout:
-            return proc
-        time.sleep(0.05)
-    raise AssertionError("dnsmasq did not start")
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +159,7 @@ def bed() -> Iterator[Bed]:
             f"nameserver {upstream.ip4}\nsearch istio-system.svc.cluster.local\n"
         )
         dnsmasq_log = os.path.join(tmp, "dnsmasq.log")
-        dnsmasq = start_dnsmasq(upstream, dnsmasq_log)
+        dnsmasq = start_upstream(upstream, dnsmasq_log)
         sock = listen_in(istiod_host, ISTIOD_PORT, host="0.0.0.0")
         istiod = IstiodThread(tls=False, accept_tokens=[TOKEN])
         agent = FakeNodeAgent(os.path.join(tmp, "n1.sock"), dns_capture=True).start()

@@ -32,6 +32,7 @@ import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -387,6 +388,38 @@ def start_app(host: Host, app: str, *args: str, ports: Sequence[int] = (8080,)) 
     """Start ``app`` (echo/sink/source) in ``host``'s netns and wait until it listens."""
     port_args = [a for p in ports for a in ("--port", str(p))]
     return App(host, host.exec_python_module(MODULE, app, *port_args, *args))
+
+
+def start_dnsmasq(
+    host: Host, listen: Sequence[str], *args: str, port: int = 53, log: str = "/dev/null"
+) -> NsProcess:
+    """dnsmasq as a plain foreground process in ``host``'s netns: no config file, no hosts file,
+    no upstream of its own, no pid file, listening on ``listen``:``port`` (``args`` add its
+    records, cache, query log). Returns once it listens on the first address over UDP."""
+    proc = host.popen(
+        "dnsmasq",
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",
+        "--no-resolv",
+        "--no-hosts",
+        "--no-poll",
+        "--pid-file=",
+        "--user=root",
+        f"--log-facility={log}",
+        "--bind-interfaces",
+        *(f"--listen-address={a}" for a in listen),
+        f"--port={port}",
+        *args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if f"{listen[0]}:{port} " in host.run("ss", "-Hlnu", check=False).stdout:
+            return proc
+        time.sleep(0.05)
+    proc.stop()
+    raise RuntimeError(f"dnsmasq did not start on {listen[0]}:{port}")
 
 
 def _ns_of(where: Host | str) -> str:

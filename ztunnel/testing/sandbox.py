@@ -18,14 +18,13 @@ import argparse
 import contextlib
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from ztunnel.inpod.protocol import WorkloadInfo
-from ztunnel.testing.apps import connect_from, recv_line, start_app
+from ztunnel.testing.apps import connect_from, recv_line, start_app, start_dnsmasq
 from ztunnel.testing.netns import Host, Testbed
 from ztunnel.testing.nodeagent import FakeNodeAgent
 from ztunnel.testing.proc import Record, ZtunnelProcess
@@ -58,30 +57,18 @@ def _lookup(label: str, src: Host, *cmd: str) -> str:
 
 
 def _start_dnsmasq(host: Host) -> None:
-    """A plain foreground dnsmasq in the outside host's netns (no config file, no hosts file,
-    no upstream of its own): the cluster's "kube-dns" for names outside the mesh."""
-    host.popen(
-        "dnsmasq",
-        "--keep-in-foreground",
-        "--conf-file=/dev/null",
-        "--no-resolv",
-        "--no-hosts",
-        "--pid-file=",
-        "--user=root",
-        "--log-facility=/dev/null",
-        "--bind-interfaces",
-        f"--listen-address={host.ip4}",
-        "--local=/example.test/",
-        "--local=/cluster.local/",
-        f"--host-record=outside.example.test,{host.ip4}",
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while host.ip4 not in host.run("ss", "-Hlnu", "sport = :53", check=False).stdout:
-        if time.monotonic() > deadline:
-            raise SystemExit("dnsmasq did not start on the outside host")
-        time.sleep(0.05)
+    """A plain foreground dnsmasq in the outside host's netns: the cluster's "kube-dns" for
+    names outside the mesh."""
+    try:
+        start_dnsmasq(
+            host,
+            (host.ip4,),
+            "--local=/example.test/",
+            "--local=/cluster.local/",
+            f"--host-record=outside.example.test,{host.ip4}",
+        )
+    except RuntimeError:
+        raise SystemExit("dnsmasq did not start on the outside host") from None
 
 
 def _describe(rec: Record) -> str:
