@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -347,18 +346,10 @@ class App:
         await self._shutdown_done.wait()
 
     def runtime_stats(self) -> dict[str, int]:
-        stats = {
-            "tasks": len(asyncio.all_tasks()),
-            "fds": len(os.listdir("/proc/self/fd")),
-            "connections": sum(inst.active_connections for inst in self._instances()),
-        }
+        stats = self.dataplane.runtime_stats() if self.dataplane is not None else {}
         if self.inpod is not None:
             stats["proxies"] = self.inpod.active
             stats["pending_proxies"] = self.inpod.pending
-        # Objects the cyclic GC had to free so far: per-connection reference cycles show up here.
-        stats["gc_collected"] = sum(g["collected"] for g in gc.get_stats())
-        if self.dataplane is not None:
-            stats.update(self.dataplane.runtime_stats())
         if self.workers is not None:
             stats.update(self.workers.runtime_stats())
         return stats

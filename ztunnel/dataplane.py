@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -193,8 +195,15 @@ class DataPlane:
                 log.warning("CRL reload: closed %d connection(s) with a revoked peer", closed)
 
     def runtime_stats(self) -> dict[str, int]:
-        """The malloc trimmer's and the pipe pool's counters."""
-        stats: dict[str, int] = {}
+        """This process's tasks, fds and connections, the objects the cyclic GC had to free so
+        far (per-connection reference cycles show up there), the malloc trimmer's and the pipe
+        pool's counters."""
+        stats = {
+            "tasks": len(asyncio.all_tasks()),
+            "fds": len(os.listdir("/proc/self/fd")),
+            "connections": sum(inst.active_connections for inst in self.instances()),
+            "gc_collected": sum(g["collected"] for g in gc.get_stats()),
+        }
         if self.trimmer is not None:
             stats["malloc_trims"] = self.trimmer.trims
             stats["malloc_free_kib"] = self.trimmer.free_bytes() >> 10

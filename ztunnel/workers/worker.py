@@ -10,7 +10,6 @@ SIGINT/SIGTERM: the supervisor tells it to drain, and it exits when the supervis
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import socket
@@ -292,16 +291,7 @@ class Worker:
                 for key, (proxy, _) in self.proxies.items()
             }
         if what == "stats":
-            dp = self.dataplane
-            stats = {
-                "tasks": len(asyncio.all_tasks()),
-                "fds": len(os.listdir("/proc/self/fd")),
-                "connections": sum(p.active_connections for p, _ in self.proxies.values()),
-                "gc_collected": sum(g["collected"] for g in gc.get_stats()),
-            }
-            if dp is not None:
-                stats.update(dp.runtime_stats())
-            return stats
+            return self.dataplane.runtime_stats() if self.dataplane is not None else {}
         return None
 
 
