@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
-from ztunnel.config import Config
+from ztunnel.config import Config, WorkloadInfo
 from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr
 from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
 from ztunnel.core.identity import Identity
@@ -257,6 +257,8 @@ class ProxyContext:
     sockets: SocketFactory
     pipes: PipePool | None
     local_workload: Callable[[], Workload | None]
+    # Who the local workload is (the ZDS/PROXY_WORKLOAD_INFO name), to wait for it by.
+    workload_info: WorkloadInfo | None = None
     local_identity: Callable[[], Identity | None] = lambda: None
     local_ips: Callable[[], frozenset[IPAddr]] = frozenset
     hbone: HboneOutbound | None = None
@@ -292,14 +294,16 @@ class ProxyContext:
             rec.metrics = self.metrics.open_for_record(rec, mtls=mtls, baggage=baggage)
 
     async def wait_local_workload(self, timeout: float = LOCAL_WORKLOAD_WAIT) -> Workload | None:
-        """The local workload; while it is unknown (e.g. before the first xDS sync), keep
-        looking for up to ``timeout`` seconds, then give up (None)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            wl = self.local_workload()
-            if wl is not None or time.monotonic() >= deadline:
-                return wl
-            await asyncio.sleep(0.05)
+        """The local workload; while it is unknown (a pod handed over before istiod sent its
+        workload), wait for it up to ``timeout`` seconds, then give up (None), as Rust's
+        ``LocalWorkloadInformation::get_workload``."""
+        wl = self.local_workload()
+        if wl is not None or self.workload_info is None:
+            return wl
+        i = self.workload_info
+        return await self.state.wait_for_workload(
+            i.name, i.namespace, i.service_account, self.config.node_name or None, timeout
+        )
 
     def tracked(self, rec: ConnectionRecord) -> _Tracked:
         """Run a connection's copy phase as a live connection: tracked for metrics and policy

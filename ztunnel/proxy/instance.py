@@ -94,6 +94,7 @@ class ProxyInstance:
             sockets=self.sockets,
             pipes=pipes,
             local_workload=self.workload,
+            workload_info=info,
             local_identity=self.identity,
             local_ips=self.local_ips,
             metrics=metrics,

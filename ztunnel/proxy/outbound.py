@@ -12,7 +12,12 @@ from ztunnel.core.addr import IPAddr, SocketAddr, canonical_ip
 from ztunnel.core.errors import ProxyError, reportable
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import original_dst, peer_addr
-from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
+from ztunnel.proxy.context import (
+    UNKNOWN_LOCAL_WORKLOAD,
+    ConnectionRecord,
+    ProxyContext,
+    log_failed,
+)
 from ztunnel.proxy.route import NeedsResolution as NeedsDns
 from ztunnel.proxy.route import Route, RouteKind, decide_outbound, decide_outbound_resolving
 from ztunnel.state.model import Workload
@@ -61,6 +66,14 @@ class Outbound:
         except OSError:
             return  # the client is already gone
         source = ctx.local_workload()
+        if source is None:
+            # Rust outbound: the source workload is waited for (up to 5 s, a new pod's first
+            # connections racing istiod's push), else the connection is refused. Never routed
+            # without it: a mesh destination would lose its mTLS, or be passed through.
+            source = await ctx.wait_local_workload()
+            if source is None:
+                log_failed("outbound", src, dst, UNKNOWN_LOCAL_WORKLOAD)
+                return
         try:
             if ctx.state.demander is None:
                 route = decide_outbound(

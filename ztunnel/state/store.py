@@ -8,6 +8,7 @@ Lookup and load-balancing rules follow istio/ztunnel ``src/state.rs`` and ``src/
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import random
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -214,6 +215,7 @@ class State:
         "_rng",
         "_services",
         "_subscribers",
+        "_wl_waiters",
         "_workloads",
         "demander",
     )
@@ -238,6 +240,10 @@ class State:
         # namespace ("" = global) -> ordered set of policy keys; selector policies are not here.
         self._policies_by_ns: dict[str, dict[str, None]] = {}
         self._subscribers: list[Subscriber] = []
+        # (namespace, service account) -> resolved at the next upsert of a workload with that
+        # identity: what connections waiting for their own pod's workload await (one future
+        # shared by every waiter of the identity).
+        self._wl_waiters: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._generation = 0
         # XDS_ON_DEMAND: asks the control plane for one resource name (a workload uid, a
         # "ns/hostname" or "<network>/<ip>") and returns once it answered (Rust Demander).
@@ -279,6 +285,10 @@ class State:
             self._unindex_workload(old)
         self._workloads[w.uid] = w
         self._index_workload(w)
+        if self._wl_waiters:
+            fut = self._wl_waiters.pop((w.namespace, w.service_account), None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
         self._notify(ChangeKind.WORKLOAD, w.uid, False)
 
     def remove_workload(self, uid: str) -> Workload | None:
@@ -349,6 +359,33 @@ class State:
         for w in cands.values():
             if w.name == name and (node is None or w.node == node):
                 return w
+        return None
+
+    async def wait_for_workload(
+        self,
+        name: str,
+        namespace: str,
+        service_account: str,
+        node: str | None,
+        timeout: float,
+    ) -> Workload | None:
+        """Rust ``DemandProxyState::wait_for_workload``: :meth:`find_workload_by_info`, and
+        while it is unknown (a pod handed over before istiod sent its workload), wait for it up
+        to ``timeout`` seconds, then give up (None). Woken by upserts of that identity only."""
+        found = self.find_workload_by_info(name, namespace, service_account, node)
+        if found is not None or timeout <= 0:
+            return found
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        key = (namespace, service_account)
+        while (remaining := deadline - loop.time()) > 0:
+            fut = self._wl_waiters.get(key)
+            if fut is None or fut.done():
+                fut = self._wl_waiters[key] = loop.create_future()
+            await asyncio.wait((fut,), timeout=remaining)  # (never cancels the shared future)
+            found = self.find_workload_by_info(name, namespace, service_account, node)
+            if found is not None:
+                return found
         return None
 
     def find_workload_by_hostname(

@@ -213,6 +213,12 @@ class XdsMesh:
         if sock is not None:
             self.istiod.start(sock)
 
+    def wait_pods(self) -> None:
+        """Every node agent has handed its pods over (ztunnel connects to it only after its
+        first xDS sync, as Rust does)."""
+        for agent in self.agents.values():
+            agent.wait_for_snapshot()
+
     def readiness(self, node: str) -> tuple[int, str]:
         return http_get(self.nodes[node], READINESS_PORT, "/healthz/ready")
 
@@ -224,8 +230,13 @@ def xds_mesh(
     tls: bool = True,
     serve: bool = True,
     extra_env: Mapping[str, str] | None = None,
+    withhold: Sequence[str] = (),
 ) -> Iterator[XdsMesh]:
-    """See the module docstring. Every ztunnel must exit cleanly at teardown."""
+    """See the module docstring. Every ztunnel must exit cleanly at teardown. With ``serve``
+    False, istiod does not answer until ``mesh.serve()``, and so no ztunnel has its pods yet
+    (``mesh.wait_pods()`` after serving). istiod starts without the workloads of the pods in
+    ``withhold`` (the node agent still hands those pods over: a pod that comes up before istiod
+    pushed its workload)."""
     with Testbed() as tb, tempfile.TemporaryDirectory() as tmp:
         nodes = {"n1": tb.add_node("n1"), "n2": tb.add_node("n2")}
         host = tb.add_external("istiod")
@@ -234,7 +245,8 @@ def xds_mesh(
         istiod = IstiodThread(tls=tls, server_names=(ISTIOD_SAN, host.ip4), accept_tokens=[TOKEN])
         mesh = XdsMesh(tb, nodes, made, {p.name: p for p in pods}, host, istiod, _sock=sock)
         try:
-            istiod.call(istiod.istiod.set_addresses, *(mesh.workload(p.name) for p in pods))
+            known = [mesh.workload(p.name) for p in pods if p.name not in withhold]
+            istiod.call(istiod.istiod.set_addresses, *known)
             if serve:
                 mesh.serve()
             root = istiod.istiod.root_pem
@@ -263,8 +275,8 @@ def xds_mesh(
             with ThreadPoolExecutor(len(mesh.ztunnels)) as pool:
                 for started in [pool.submit(zt.start) for zt in mesh.ztunnels.values()]:
                     started.result()
-            for agent in mesh.agents.values():
-                agent.wait_for_snapshot()
+            if serve:
+                mesh.wait_pods()
             yield mesh
         finally:
             codes = {name: (zt.stop(), zt.internal_errors()) for name, zt in mesh.ztunnels.items()}

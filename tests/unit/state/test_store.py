@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from dataclasses import replace
@@ -615,3 +616,39 @@ def test_workload_identity_is_built_once_and_invisible_to_equality() -> None:
     assert "_identity" not in repr(a)
     moved = replace(a, trust_domain="other.local")
     assert str(moved.identity) == "spiffe://other.local/ns/ns/sa/sa"
+
+
+# --- waiting for the local workload (Rust DemandProxyState::wait_for_workload) ---------------
+
+
+async def test_wait_for_workload_returns_at_once_when_known() -> None:
+    s = State()
+    w = wl("a", "10.0.0.1", service_account="sa-a")
+    s.upsert_workload(w)
+    assert await s.wait_for_workload("a", "ns", "sa-a", None, 5.0) is w
+
+
+async def test_wait_for_workload_wakes_on_its_upsert() -> None:
+    # Rust test_wait_for_workload_eventually: the workload arrives while the caller waits.
+    s = State()
+    w = wl("a", "10.0.0.1", service_account="sa-a")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    loop.call_later(0.05, s.upsert_workload, wl("other", "10.0.0.9", service_account="sa-a"))
+    loop.call_later(0.1, s.upsert_workload, w)
+    waiters = [s.wait_for_workload("a", "ns", "sa-a", None, 5.0) for _ in range(3)]
+    assert await asyncio.gather(*waiters) == [w, w, w]
+    assert loop.time() - t0 < 1.0  # woken by the upsert, not by the timeout
+
+
+async def test_wait_for_workload_gives_up_at_the_deadline() -> None:
+    # Rust test_wait_for_workload_delay_fails.
+    s = State()
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.02, s.upsert_workload, wl("b", "10.0.0.2", service_account="sa-a"))
+    t0 = loop.time()
+    assert await s.wait_for_workload("a", "ns", "sa-a", None, 0.1) is None
+    assert 0.09 <= loop.time() - t0 < 1.0
+    # A node filter is part of the match.
+    s.upsert_workload(wl("a", "10.0.0.1", service_account="sa-a", node="n2"))
+    assert await s.wait_for_workload("a", "ns", "sa-a", "n1", 0.05) is None
