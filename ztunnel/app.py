@@ -70,6 +70,7 @@ class App:
     dedicated: ProxyInstance | None = None
     inpod: InPodManager | None = None
     _zds_task: asyncio.Task[None] | None = None
+    _serve_task: asyncio.Task[None] | None = None  # waits for the first sync, then serves
     xds: AdsClient | None = None
     ca_client: IstioCAClient | None = None
     crl: CrlManager | None = None  # CRL_PATH
@@ -170,6 +171,7 @@ class App:
             )
             self.workers.attach(dp)
         self._bind_servers()
+        xds_ready: ReadyToken | None = None
         if cfg.xds_address is not None:
             xds_ready = self.readiness.register("xds")
             from ztunnel.xds.client import AdsClient
@@ -180,7 +182,6 @@ class App:
             if cfg.xds_on_demand:  # lookups of unknown addresses ask istiod (Rust Demander)
                 self.state.demander = self.xds.demand
             self.xds.start()
-            self._spawn(self._when_synced(self.xds, xds_ready))
             log.info("xDS: connecting to %s", cfg.xds_address)
         for server in self.servers:
             await server.start()
@@ -196,37 +197,63 @@ class App:
             assert cfg.proxy_workload_info is not None
             proxy = dp.build(cfg.proxy_workload_info, None, extra_local_ips=self._instance_ips())
             try:
-                proxy.bind()
+                proxy.bind()  # (a port already taken stops start-up, before any sync)
             except OSError as e:
                 raise StartupError(f"cannot bind listeners: {e}") from None
-            proxy.start()
             self.dedicated = proxy
-            proxy_ready.done()
-        else:
-            from ztunnel.inpod.client import ZdsClient
-            from ztunnel.inpod.manager import InPodManager
+        self._serve_task = asyncio.get_running_loop().create_task(
+            self._serve_when_synced(xds_ready, proxy_ready)
+        )
+        self._serve_task.add_done_callback(self._on_serve_done)
 
-            self.inpod = InPodManager(
-                dp.build, on_change=lambda: self._inpod_readiness(proxy_ready)
-            )
-            client = ZdsClient(
-                str(cfg.inpod_uds),
-                self.inpod,
-                on_snapshot_done=lambda: self._inpod_readiness(proxy_ready, snapshot=True),
-                on_disconnected=lambda: self._inpod_readiness(proxy_ready, snapshot=False),
-            )
-            self._zds_task = asyncio.get_running_loop().create_task(client.run())
-            log.info("in-pod mode: waiting for pods from the node agent at %s", cfg.inpod_uds)
+    def _on_serve_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.error("failed to start serving: %s", e, exc_info=e)
+            self.request_stop()
+
+    async def _serve_when_synced(
+        self, xds_ready: ReadyToken | None, proxy_ready: ReadyToken
+    ) -> None:
+        """Serve only once the state is known (Rust ``app.rs``: the in-pod manager and the
+        dedicated proxy's accept loop wait for the first xDS sync). Until then no pod is taken
+        from the node agent and the dedicated listeners do not accept: their connections wait in
+        the kernel's backlog instead of being routed with an empty state (a mesh destination not
+        yet known would leave as plaintext passthrough). With workers, every worker must also
+        hold that state: readiness waits for each one to have applied it, and a pod's listeners
+        reach a worker only after the state that came before them."""
+        cfg = self.config
+        if self.xds is not None:
+            await self.xds.wait_synced()
+            log.info("xDS: initial sync complete")
+        if self.workers is not None:
+            await self.workers.barrier()
+        if xds_ready is not None:
+            xds_ready.done()
+        if self.dedicated is not None:
+            self.dedicated.start()
+            proxy_ready.done()
+            return
+        from ztunnel.inpod.client import ZdsClient
+        from ztunnel.inpod.manager import InPodManager
+
+        assert self.dataplane is not None
+        self.inpod = InPodManager(
+            self.dataplane.build,
+            on_change=lambda: self._inpod_readiness(proxy_ready),
+        )
+        client = ZdsClient(
+            str(cfg.inpod_uds),
+            self.inpod,
+            on_snapshot_done=lambda: self._inpod_readiness(proxy_ready, snapshot=True),
+            on_disconnected=lambda: self._inpod_readiness(proxy_ready, snapshot=False),
+        )
+        self._zds_task = asyncio.get_running_loop().create_task(client.run())
+        log.info("in-pod mode: waiting for pods from the node agent at %s", cfg.inpod_uds)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _when_synced(self, xds: AdsClient, token: ReadyToken) -> None:
-        await xds.wait_synced()
-        log.info("xDS: initial sync complete")
-        token.done()
 
     def _inpod_readiness(self, token: ReadyToken, snapshot: bool | None = None) -> None:
         """In-pod: ready once the node agent's snapshot is in and no pod is pending; not ready
@@ -375,10 +402,11 @@ class App:
         Returns how many connections were cut."""
         deadline = self.config.connection_termination_deadline.total_seconds()
         cut = 0
-        if self._zds_task is not None:
-            self._zds_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._zds_task
+        for task in (self._serve_task, self._zds_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.xds is not None:
             await self.xds.close()
         if self.dedicated is not None:

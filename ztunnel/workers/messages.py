@@ -10,10 +10,12 @@ Supervisor -> worker:
     Query             "metrics" | "live" | "stats" | "profile", then Reply
     Demanded          an on-demand xDS fetch the worker asked for has been answered
     SetLogLevel       a /logging change
+    Sync              answered with Ready once everything sent before it is applied (the
+                      state snapshot and the pods after a worker starts)
 (The supervisor stops a worker by closing its channel, once every pod was removed.)
 
 Worker -> supervisor:
-    Ready             after Hello; carries the pid
+    Ready             the answer to Sync; carries the pid
     CertRequest       an identity the worker needs a certificate for
     Demand            XDS_ON_DEMAND: fetch this resource name
     Reply             the answer to a request id
@@ -90,6 +92,11 @@ class Demanded:
 @dataclass(frozen=True, slots=True)
 class SetLogLevel:
     spec: str
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ log = logging.getLogger("ztunnel.workers")
 
 START_TIMEOUT = 30.0
 QUERY_TIMEOUT = 5.0
+BARRIER_TIMEOUT = 600.0  # (a worker may take a while to apply a huge snapshot)
 RESTART_DELAY = 1.0
 MAX_BACKLOG = 256 * 1024 * 1024  # bytes queued to one worker (state snapshots of huge meshes)
 
@@ -212,6 +213,9 @@ class WorkerPool:
         w.send(m.StateOps(self._snapshot()))
         for inst in self.pods.values():
             self._send_pod(w, inst)
+        # Ready (and readiness) only once the worker holds the state and the pods: a big
+        # snapshot takes it a while to apply, and it serves nothing before.
+        w.send(m.Sync())
 
     def _on_close(self, w: _Worker) -> None:
         if w.last_metrics is not None:  # (what it counted up to its last scrape, kept)
@@ -394,6 +398,14 @@ class WorkerPool:
             return None
         finally:
             w.requests.pop(rid, None)
+
+    async def barrier(self) -> None:
+        """Return once every running worker has applied every state change made so far (the
+        first xDS sync: readiness waits for the workers to hold it, not only the supervisor).
+        A worker restarting meanwhile is not waited for: it is not ready until its snapshot
+        is in anyway."""
+        self._flush()
+        await self.query("sync", timeout=BARRIER_TIMEOUT)
 
     async def query(self, what: str, *args: Any, timeout: float = QUERY_TIMEOUT) -> list[Any]:
         return await self._ask(lambda rid: m.Query(what, rid, args), timeout=timeout)

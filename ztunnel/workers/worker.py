@@ -185,6 +185,8 @@ class Worker:
                 self._log.change(msg.spec, reset=True)
         elif isinstance(msg, m.Hello):
             self._hello(msg)
+        elif isinstance(msg, m.Sync):  # (messages are applied in order: the state is in)
+            self._send(m.Ready(os.getpid()))
         else:
             for fd in fds:
                 os.close(fd)
@@ -213,7 +215,6 @@ class Worker:
         dp.start()
         if cfg.xds_on_demand:
             self.state.demander = self._demand
-        self._send(m.Ready(os.getpid()))
 
     async def _demand(self, name: str) -> None:
         self._next += 1
@@ -292,6 +293,8 @@ class Worker:
             }
         if what == "stats":
             return self.dataplane.runtime_stats() if self.dataplane is not None else {}
+        if what == "sync":  # (answered in order: everything sent before it is applied)
+            return True
         return None
 
 
