@@ -41,6 +41,7 @@ from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.model import TunnelProtocol, Workload
+from ztunnel.state.shared import SharedStore, StoreError
 from ztunnel.state.store import State
 
 # The control-plane libraries are imported where used (memory at rest, issue 18): grpclib and the
@@ -64,7 +65,8 @@ class StartupError(Exception):
 @dataclass
 class App:
     config: Config
-    state: State = field(default_factory=State)
+    # The node's one copy of the mesh state (a store in $TMPDIR; workers map it read-only).
+    state: State = field(init=False)
     pipes: PipePool | None = None
     secrets: SecretManager | None = None
     dedicated: ProxyInstance | None = None
@@ -90,6 +92,9 @@ class App:
     _shutdown_done: asyncio.Event = field(default_factory=asyncio.Event)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def __post_init__(self) -> None:
+        self.state = State(store=SharedStore.create(map_size=self.config.state_max_bytes))
+
     # --- build ----------------------------------------------------------------------------------
 
     def load_local_config(self) -> None:
@@ -106,7 +111,11 @@ class App:
             local = load_local_config(text, source)
         except ValueError as e:
             raise StartupError(f"local config: {e}") from None
-        local.apply_to(self.state)
+        try:
+            with self.state.batch():
+                local.apply_to(self.state)
+        except StoreError as e:
+            raise StartupError(f"local config: {e}") from None
         self.local_config = local
         log.info(
             "loaded local config %s: %d workloads, %d services, %d policies",
@@ -431,6 +440,8 @@ class App:
         self._shutdown_done.set()
         for server in self.servers:
             await server.close()
+        self.state.close()
+        self.state.store.close()
         return cut
 
 

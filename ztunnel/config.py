@@ -177,6 +177,9 @@ class Config:
     h2_max_early_resets: int = 200  # ZTUNNEL_H2_MAX_EARLY_RESETS (rapid reset)
     h2_max_continuations: int = 32  # ZTUNNEL_H2_MAX_CONTINUATIONS (per header block)
     fd_reserve: int | None = None  # ZTUNNEL_FD_RESERVE: fds kept free (None: 10%, 32..1024)
+    # ZTUNNEL_STATE_MAX_BYTES (Python-only): the most the shared state store (ztunnel/state/
+    # shared.py, a file in $TMPDIR) may hold; xDS that would not fit is NACKed, nothing applied.
+    state_max_bytes: int = 2 << 30
 
     # DNS proxy (istio/ztunnel src/config.rs): ISTIO_META_DNS_CAPTURE (on unless set to anything
     # but "true", any case), ISTIO_META_DNS_PROXY_ADDR ("localhost:<port>" = 127.0.0.1 and, where
@@ -597,6 +600,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         dns_proxy=dns_proxy,
         dns_proxy_addr=dns_proxy_addr,
         dns_resolv_conf=Path(e.get("ZTUNNEL_DNS_RESOLV_CONF") or "/etc/resolv.conf"),
+        state_max_bytes=e.integer("ZTUNNEL_STATE_MAX_BYTES", 2 << 30, 1 << 20, 1 << 40),
     )
 
 

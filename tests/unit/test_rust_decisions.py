@@ -3,7 +3,7 @@
 Every resource is built with the protoc-generated classes (``ztunnel/xds/protos/*_pb2``, whose
 field numbers and types match istio/ztunnel ``proto/workload.proto`` and
 ``proto/authorization.proto``), serialised, and fed to the same entry point istiod's bytes
-reach: ``AdsClient._handle_response`` with a ``DeltaDiscoveryResponse``, or ``decode_*``. Each
+reach: ``AdsClient._handle_response`` with a serialized ``DeltaDiscoveryResponse``, or ``decode_*``. Each
 test asserts the decision the named Rust function makes.
 """
 
@@ -27,6 +27,7 @@ from ztunnel.xds.convert import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, decode
 from ztunnel.xds.protos import authorization_pb2 as authz_pb
 from ztunnel.xds.protos import discovery_pb2 as ds
 from ztunnel.xds.protos import workload_pb2 as wl_pb
+from ztunnel.xds.wire import LazyDeltaResponse
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -59,7 +60,8 @@ class Feed:
             r.resource.type_url = type_url
             r.resource.value = body
         resp.removed_resources.extend(removed)
-        return self.client._handle_response(resp)
+        # (as the wire brings it: ztunnel.xds.wire reads the serialized response lazily)
+        return self.client._handle_response(LazyDeltaResponse(resp.SerializeToString()))
 
     def addresses(self, *items: wl_pb.Address) -> ds.DeltaDiscoveryRequest:
         return self.push(

@@ -1,7 +1,24 @@
-"""In-memory indexes of workloads, services and policies, with synchronous ``find_*`` lookups.
+"""Workloads, services and policies, indexed for the per-connection lookups, in the shared store.
 
-Invariant: every secondary index is updated inside the same call that changes the primary map, so
-a lookup never sees a half-applied upsert. Nothing here does I/O or awaits; the async layer
+The State is a view of one :class:`~ztunnel.state.shared.SharedStore`: the node's only copy of
+the mesh state, an LMDB environment. The supervisor's State is the writer (xDS, the local
+config); each data-plane worker's State maps the same store read-only and is told what changed
+(:meth:`State.apply_changes`), so no worker holds a replica. With one process, its State is
+both. Lookups decode the compact records (``state/records.py``) into model objects, kept in
+small per-process caches.
+
+Invariants:
+
+- A writer's changes are made in a transaction (:meth:`State.batch`; a single change outside
+  one is its own), committed at the end: readers, and subscribers, see all of it or none of it.
+  A failed batch (the store is full) leaves the state as it was.
+- Every lookup reads one consistent snapshot: the writer's open transaction while a batch is
+  being written (its own changes), else the last snapshot this process was told about.
+- Per-connection work depends neither on the size of the mesh nor on a service's size: every
+  lookup is an index lookup, and load balancing picks from a table built once per change of a
+  service's endpoints (Rust's ``load_balance`` walks every endpoint on every connection).
+
+Nothing here does I/O beyond the memory-mapped store, and nothing awaits; the async layer
 (``fetch_*``/``wait_for_*``) sits on top and learns about changes through :meth:`State.subscribe`.
 Lookup and load-balancing rules follow istio/ztunnel ``src/state.rs`` and ``src/state/*.rs``.
 """
@@ -9,11 +26,20 @@ Lookup and load-balancing rules follow istio/ztunnel ``src/state.rs`` and ``src/
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import enum
+import hashlib
+import ipaddress
+import marshal
+import pickle
 import random
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import lmdb
 
 from ztunnel.core.addr import IPAddr
 from ztunnel.state.model import (
@@ -34,8 +60,52 @@ from ztunnel.state.model import (
     Workload,
     WorkloadStatus,
 )
+from ztunnel.state.records import (
+    W_ADDRS,
+    W_CLUSTER,
+    W_HOSTNAME,
+    W_LOCALITY,
+    W_NAME,
+    W_NETGW,
+    W_NETMODE,
+    W_NETWORK,
+    W_NODE,
+    W_NS,
+    W_SA,
+    W_SERVICES,
+    W_STATUS,
+    W_TUNNEL,
+    decode_service,
+    decode_workload,
+    service_from_tuple,
+    service_ids,
+    service_tuple,
+    workload_from_tuple,
+    workload_ids,
+    workload_tuple,
+)
+from ztunnel.state.shared import (
+    PRIVATE_MAP_SIZE,
+    SharedStore,
+    StoreError,
+    StoreFull,
+    ip_key,
+    pack_i,
+    pack_q,
+    prefix_scan,
+    unpack_i,
+    unpack_q,
+)
 
-__all__ = ["ChangeKind", "State", "StateChange", "Subscriber"]
+__all__ = [
+    "ChangeKind",
+    "State",
+    "StateChange",
+    "StoreError",
+    "StoreFull",
+    "Subscriber",
+    "pick_workload_ip",
+]
 
 
 class ChangeKind(enum.Enum):
@@ -46,17 +116,34 @@ class ChangeKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class StateChange:
-    """One mutation: ``key`` is the workload uid, the service ``ns/hostname`` or policy ``ns/name``."""
+    """One mutation: ``key`` is the workload uid, the service ``ns/hostname`` or policy ``ns/name``;
+    ``ref`` the store's id for it (workload id, service key id; 0 for policies)."""
 
     kind: ChangeKind
     key: str
     removed: bool = False
+    ref: int = field(default=0, compare=False)
 
 
 Subscriber = Callable[[StateChange], None]
+CommitListener = Callable[[list[StateChange]], None]
 
 _NO_PORTS: dict[int, int] = {}
-_K = TypeVar("_K")
+# Strings that are part of keys (uids, names, hostnames, policy keys) are limited: LMDB keys are
+# at most 511 bytes. Longer ones are refused (the resource is NACKed), never truncated.
+MAX_NAME_BYTES = 320
+_CACHE_WORKLOADS = 4096
+_CACHE_SERVICES = 2048
+_CACHE_POLICIES = 1024
+_CACHE_STRINGS = 32768
+_CACHE_PICKS = 512
+
+# An endpoint's summary, kept in the ``ep`` index beside its workload id: what load balancing
+# filters and ranks by, so a pick table is built without decoding any workload.
+_EP_UNHEALTHY, _EP_CAPACITY, _EP_ADDRLESS, _EP_NETWORK, _EP_GATEWAY, _EP_TUNNEL, _EP_PORTS = range(
+    7
+)
+_EP_REGION, _EP_ZONE, _EP_SUBZONE, _EP_NODE, _EP_CLUSTER = range(7, 12)
 
 
 def visible_to(service: Service, client_namespace: str) -> bool:
@@ -96,86 +183,6 @@ def _addr_rank(w: Workload) -> int:
     return (2 if "//Pod/" in w.uid else 0) + (1 if w.protocol is TunnelProtocol.HBONE else 0)
 
 
-def _scope_matches(scope: LoadBalancerScope, src: Workload, dst: Workload) -> bool:
-    if scope is LoadBalancerScope.REGION:
-        return src.locality.region == dst.locality.region
-    if scope is LoadBalancerScope.ZONE:
-        return src.locality.zone == dst.locality.zone
-    if scope is LoadBalancerScope.SUBZONE:
-        return src.locality.subzone == dst.locality.subzone
-    if scope is LoadBalancerScope.NODE:
-        return src.node == dst.node
-    if scope is LoadBalancerScope.CLUSTER:
-        return src.cluster_id == dst.cluster_id
-    if scope is LoadBalancerScope.NETWORK:
-        return src.network == dst.network
-    return False  # UNSPECIFIED: Rust rejects it at conversion; never a match here
-
-
-def _rank_endpoints(
-    candidates: list[Workload], lb: LoadBalancing, source: Workload | None
-) -> list[Workload]:
-    """Keep the endpoints with the best locality rank (Rust ``load_balance``, non-Standard modes).
-
-    The rank is the number of leading ``routing_preference`` scopes that match the source; the
-    first mismatch stops the count. STRICT drops any endpoint that does not match them all.
-    When NETWORK is the first preference ("network preferred"), a network mismatch does not
-    stop the count (the other scopes are still tried) and a network match is worth
-    ``len(prefs) - 1`` extra, so any same-network endpoint outranks every other-network one.
-    """
-    prefs = lb.routing_preference
-    strict = lb.mode is LoadBalancerMode.STRICT
-    network_preferred = bool(prefs) and prefs[0] is LoadBalancerScope.NETWORK
-    best = -1
-    out: list[Workload] = []
-    for wl in candidates:
-        rank = 0
-        adjust = 0
-        if source is not None:  # no source: nothing to compare against, every endpoint ranks 0
-            for scope in prefs:
-                if scope is LoadBalancerScope.NETWORK and network_preferred:
-                    if source.network != wl.network:
-                        continue
-                    adjust = len(prefs) - 1
-                elif not _scope_matches(scope, source, wl):
-                    break
-                rank += 1
-        if strict and rank != len(prefs):
-            continue
-        rank += adjust
-        if rank > best:
-            best, out = rank, [wl]
-        elif rank == best:
-            out.append(wl)
-    return out
-
-
-def _pick_weighted(candidates: list[Workload], rng: random.Random) -> Workload | None:
-    """Random choice weighted by ``capacity``; zero-capacity endpoints are never picked and an
-    all-zero set yields None (Rust ``choose_weighted`` fails on a zero total)."""
-    n = len(candidates)
-    if n == 0:
-        return None
-    total = 0
-    uniform = True
-    for wl in candidates:
-        cap = wl.capacity if wl.capacity > 0 else 0
-        total += cap
-        if cap != 1:
-            uniform = False
-    if total == 0:
-        return None
-    if uniform:  # the common case: every capacity is the default 1
-        return candidates[0] if n == 1 else candidates[rng.randrange(n)]
-    x = rng.randrange(total)
-    for wl in candidates:
-        cap = wl.capacity if wl.capacity > 0 else 0
-        if x < cap:
-            return wl
-        x -= cap
-    raise AssertionError("unreachable: x < total")
-
-
 def pick_workload_ip(
     workload: Workload, original_dst: IPAddr, ip_families: IPFamilies = IPFamilies.AUTOMATIC
 ) -> IPAddr | None:
@@ -198,48 +205,146 @@ def pick_workload_ip(
     return ips[0] if ips else None
 
 
+def _skey(s: str) -> bytes:
+    """A string as a key of the string table or the policy table: its UTF-8, or for one too
+    long for a key, 0xFF (never in UTF-8) and its SHA-256."""
+    raw = s.encode()
+    if len(raw) <= MAX_NAME_BYTES:
+        return raw
+    return b"\xff" + hashlib.sha256(raw).digest()
+
+
+def _lp(s: str) -> bytes:
+    """A string inside a composite key: its length, then its UTF-8 (no separator to forge)."""
+    raw = s.encode()
+    if len(raw) > MAX_NAME_BYTES:
+        raise ValueError(f"name too long ({len(raw)} bytes, at most {MAX_NAME_BYTES}): {s[:64]!r}…")
+    return len(raw).to_bytes(2, "big") + raw
+
+
+def _check_name(what: str, s: str) -> None:
+    if len(s.encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"{what} too long (at most {MAX_NAME_BYTES} bytes): {s[:64]!r}…")
+
+
+_HOST_NETWORK = NetworkMode.HOST_NETWORK.value
+_UNHEALTHY = WorkloadStatus.UNHEALTHY.value
+_S_NS, _S_HOSTNAME, _S_VIPS, _S_CIDRS = 1, 2, 3, 10  # positions in a service record
+
+
+def _summary(t: tuple[Any, ...], ports: tuple[tuple[int, int], ...]) -> bytes:
+    """A workload record's ``ep`` entry for one of its services (see ``_EP_*``)."""
+    loc = t[W_LOCALITY]
+    cap = t[-1]
+    return marshal.dumps(
+        (
+            t[W_STATUS] == _UNHEALTHY,
+            cap if cap > 0 else 0,
+            not t[W_ADDRS] and not t[W_HOSTNAME],
+            t[W_NETWORK],
+            t[W_NETGW] is not None,
+            t[W_TUNNEL] is not None,
+            tuple([p for p, _ in ports]),
+            loc[0],
+            loc[1],
+            loc[2],
+            t[W_NODE],
+            t[W_CLUSTER],
+        )
+    )
+
+
+class _PickTable:
+    """A service's usable endpoints for one (port, source locality), with their weights: what
+    :meth:`State.load_balance` picks from in O(1) (O(log n) with uneven capacities)."""
+
+    __slots__ = ("cumulative", "total", "version", "wids")
+
+    def __init__(self, version: bytes | None, wids: list[int], weights: list[int]) -> None:
+        self.version = version
+        self.wids = wids
+        self.total = 0
+        self.cumulative: list[int] | None = None
+        if any(w != 1 for w in weights):
+            acc = 0
+            cum = []
+            keep = []
+            for wid, w in zip(wids, weights, strict=True):
+                if w > 0:
+                    acc += w
+                    cum.append(acc)
+                    keep.append(wid)
+            self.wids, self.cumulative, self.total = keep, cum, acc
+        else:
+            self.total = len(wids)
+
+    def pick(self, rng: random.Random) -> int | None:
+        if self.total == 0:
+            return None  # Rust choose_weighted fails on a zero total
+        if self.cumulative is None:
+            n = len(self.wids)
+            return self.wids[0] if n == 1 else self.wids[rng.randrange(n)]
+        return self.wids[bisect.bisect_right(self.cumulative, rng.randrange(self.total))]
+
+
 class State:
-    """Workloads, services and authorization policies, indexed for the per-connection lookups."""
+    """Workloads, services and authorization policies, indexed for the per-connection lookups.
+
+    ``State()`` makes a private store of its own (tests, ``ztunnel explain``), removed with the
+    State; ``State(store=...)`` views a shared one (the supervisor's, or a worker's read-only
+    mapping of it: :meth:`open`)."""
 
     __slots__ = (
-        "_by_addr",
-        "_by_cidr_vip",
-        "_by_host",
-        "_by_identity",
-        "_by_vip",
-        "_by_wl_hostname",
-        "_endpoints",
+        "__weakref__",
+        "_changes",
+        "_cidrs",
+        "_commit_listeners",
+        "_counters",
+        "_cur",
+        "_depth",
         "_generation",
-        "_policies",
-        "_policies_by_ns",
+        "_ids",
+        "_memo",
+        "_picks",
+        "_pols",
         "_rng",
-        "_services",
+        "_rtxn",
+        "_store",
+        "_str_delta",
+        "_strs",
         "_subscribers",
+        "_svcs",
         "_wl_waiters",
-        "_workloads",
+        "_wls",
+        "_wtxn",
         "demander",
     )
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, rng: random.Random | None = None, *, store: SharedStore | None = None
+    ) -> None:
         self._rng = rng if rng is not None else random.Random()
-        self._workloads: dict[str, Workload] = {}
-        # An IP may be claimed by several workloads (Rust keeps them all and ranks on lookup).
-        self._by_addr: dict[NetworkAddress, list[Workload]] = {}
-        self._by_identity: dict[tuple[str, str], dict[str, Workload]] = {}
-        self._by_wl_hostname: dict[str, dict[str, Workload]] = {}
-        # service key -> uid -> workload. Kept even before the service arrives (xDS may send
-        # workloads first), so endpoints appear as soon as the service does.
-        self._endpoints: dict[str, dict[str, Workload]] = {}
-        self._services: dict[str, Service] = {}
-        # VIP -> namespace -> service: several services (one per namespace) may share a VIP,
-        # in insertion order (Rust ServiceStore::by_vip, a list replaced per namespace).
-        self._by_vip: dict[NetworkAddress, dict[str, Service]] = {}
-        self._by_cidr_vip: list[tuple[NetworkCidr, Service]] = []
-        self._by_host: dict[str, dict[str, Service]] = {}  # hostname -> namespace -> service
-        self._policies: dict[str, Authorization] = {}
-        # namespace ("" = global) -> ordered set of policy keys; selector policies are not here.
-        self._policies_by_ns: dict[str, dict[str, None]] = {}
+        if store is None:
+            store = SharedStore.create(map_size=PRIVATE_MAP_SIZE)
+            weakref.finalize(self, store.close)
+        self._store = store
+        self._rtxn: Any = store.env.begin()
+        self._wtxn: Any = None
+        self._depth = 0
+        self._cur: dict[str, Any] = {}  # cursors of the transaction lookups read now
+        self._changes: list[StateChange] = []  # of the open batch
+        self._str_delta: dict[int, int] = {}  # string id -> reference count change (open batch)
+        self._counters = {"wid": 0, "seq": 0, "str": 1}
+        self._strs: dict[int, str] = {0: ""}  # string id -> string (ids are never reused)
+        self._ids: dict[str, int] = {"": 0}  # string -> id
+        self._wls: dict[int, Workload] = {}
+        self._svcs: dict[int, Service] = {}
+        self._pols: dict[str, Authorization | None] = {}
+        self._picks: dict[tuple[Any, ...], _PickTable] = {}
+        self._cidrs: tuple[int, list[tuple[NetworkCidr, int]]] | None = None
+        self._memo: dict[Any, Any] = {}  # shared small values for the decoders
         self._subscribers: list[Subscriber] = []
+        self._commit_listeners: list[CommitListener] = []
         # (namespace, service account) -> resolved at the next upsert of a workload with that
         # identity: what connections waiting for their own pod's workload await (one future
         # shared by every waiter of the identity).
@@ -249,19 +354,144 @@ class State:
         # "ns/hostname" or "<network>/<ip>") and returns once it answered (Rust Demander).
         self.demander: Callable[[str], Awaitable[None]] | None = None
 
-    # --- change notification -------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str, rng: random.Random | None = None) -> State:
+        """A read-only view of the shared store another process writes (a data-plane worker)."""
+        return cls(rng, store=SharedStore.open(path))
+
+    @property
+    def store(self) -> SharedStore:
+        return self._store
+
+    def close(self) -> None:
+        """Release the snapshot (and, for a private store, the store)."""
+        if self._wtxn is not None:
+            self._wtxn.abort()
+            self._wtxn = None
+        with contextlib.suppress(lmdb.Error):
+            self._rtxn.abort()
+        self._cur.clear()
+
+    # --- transactions ----------------------------------------------------------------------
+
+    def _c(self, name: str) -> Any:
+        """A cursor on database ``name`` in the transaction lookups read now."""
+        cur = self._cur.get(name)
+        if cur is None:
+            txn = self._wtxn if self._wtxn is not None else self._rtxn
+            cur = self._cur[name] = txn.cursor(db=self._store.dbs[name])
+        return cur
+
+    def _renew(self) -> None:
+        """Read the newest committed snapshot from now on."""
+        self._rtxn.abort()
+        self._rtxn = self._store.env.begin()
+        self._cur.clear()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Apply every change made inside as one transaction: readers and subscribers see all of
+        it at the end, or none of it if anything raised (a full store: :class:`StoreFull`).
+        Batches nest (the outermost commits)."""
+        if not self._store.writer:
+            raise StoreError("this State is a read-only view of the shared store")
+        if self._depth == 0:
+            self._wtxn = self._store.env.begin(write=True)
+            self._cur.clear()
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self._abort()
+            raise
+        self._depth -= 1
+        if self._depth == 0:
+            self._commit()
+
+    def _abort(self) -> None:
+        self._wtxn.abort()
+        self._wtxn = None
+        self._changes = []
+        self._str_delta = {}
+        self._reset_caches()  # (they may hold what the aborted transaction wrote)
+        # (The counters stay where the aborted batch left them: ids are never reused.)
+        self._renew()
+
+    def _commit(self) -> None:
+        txn = self._wtxn
+        try:
+            self._apply_string_refs()
+            txn.commit()
+        except lmdb.MapFullError:
+            self._abort()
+            raise StoreFull(
+                f"the state does not fit in the store ({self._store.map_size() >> 20} MiB)"
+            ) from None
+        except BaseException:
+            self._abort()
+            raise
+        self._wtxn = None
+        self._renew()
+        changes, self._changes = self._changes, []
+        if changes:
+            self._changed(changes, invalidate=False)  # (its caches followed the batch)
+            for listener in tuple(self._commit_listeners):
+                listener(changes)
+
+    def on_commit(self, listener: CommitListener) -> Callable[[], None]:
+        """Call ``listener`` with every committed batch's changes (the supervisor tells its
+        workers). Returns an unsubscribe function."""
+        self._commit_listeners.append(listener)
+        return lambda: self._commit_listeners.remove(listener)
+
+    def apply_changes(self, changes: Iterable[StateChange]) -> None:
+        """A reader: the writer committed these changes; read the new snapshot, forget what they
+        invalidate and tell the subscribers."""
+        self._renew()
+        self._changed(list(changes))
+
+    def _changed(self, changes: list[StateChange], *, invalidate: bool = True) -> None:
+        if invalidate:
+            wls, svcs, pols = self._wls, self._svcs, self._pols
+            for ch in changes:
+                if ch.kind is ChangeKind.WORKLOAD:
+                    wls.pop(ch.ref, None)
+                elif ch.kind is ChangeKind.SERVICE:
+                    svcs.pop(ch.ref, None)
+                else:
+                    pols.pop(ch.key, None)
+        self._generation += len(changes)
+        if self._wl_waiters:
+            self._wake_waiters(changes)
+        if self._subscribers:
+            subs = tuple(self._subscribers)
+            for ch in changes:
+                for cb in subs:
+                    cb(ch)
+
+    def _reset_caches(self) -> None:
+        self._wls.clear()
+        self._svcs.clear()
+        self._pols.clear()
+        self._picks.clear()
+        self._cidrs = None
+        if self._store.writer:  # (a string of an aborted batch may be gone)
+            self._ids = {"": 0}
+            self._strs = {0: ""}
+
+    # --- change notification -----------------------------------------------------------------
 
     @property
     def generation(self) -> int:
-        """Bumped on every mutation; a cheap "did anything change" check for pollers."""
+        """Bumped on every change this process saw; a cheap "did anything change" check."""
         return self._generation
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Call ``callback`` synchronously after every mutation; returns an unsubscribe function.
-
-        Callbacks run on the mutating thread with the state already updated; an exception from
-        one propagates to the mutator (the state change itself is already complete).
-        """
+        """Call ``callback`` for every change once it is committed (or, in a reader, applied),
+        with the state already showing it; returns an unsubscribe function. An exception from
+        one propagates to the committer (the change itself is already complete)."""
         self._subscribers.append(callback)
 
         def unsubscribe() -> None:
@@ -270,77 +500,231 @@ class State:
 
         return unsubscribe
 
-    def _notify(self, kind: ChangeKind, key: str, removed: bool) -> None:
-        self._generation += 1
-        if self._subscribers:
-            change = StateChange(kind, key, removed)
-            for cb in tuple(self._subscribers):
-                cb(change)
+    # --- the string table ------------------------------------------------------------------
 
-    # --- workloads -----------------------------------------------------------------------
+    def _str(self, i: int) -> str:
+        s = self._strs.get(i)
+        if s is None:
+            raw = self._c("str").get(pack_i(i))
+            if raw is None:
+                raise StoreError(f"string {i} missing from the store")
+            s = raw.decode()
+            if len(self._strs) >= _CACHE_STRINGS:
+                self._strs = {0: ""}
+            self._strs[i] = s
+        return s
+
+    def _id(self, s: str) -> int | None:
+        """The id of ``s`` in the string table, None if it is not there (no count taken). Only
+        the writer caches these: it alone knows when a string leaves the table (and a string
+        added again gets a new id)."""
+        if not s:
+            return 0
+        writer = self._store.writer
+        if writer:
+            cached = self._ids.get(s)
+            if cached is not None:
+                return cached
+        raw = self._c("strid").get(_skey(s))
+        if raw is None:
+            return None
+        i: int = unpack_i(raw)[0]
+        if writer:
+            if len(self._ids) >= _CACHE_STRINGS:
+                self._ids = {"": 0}
+            self._ids[s] = i
+        return i
+
+    def _intern(self, s: str) -> int:
+        """The id of ``s``, adding it if needed; counts one reference (applied at commit)."""
+        if not s:
+            return 0
+        i = self._ids.get(s)
+        if i is None:
+            i = self._id(s)
+            if i is None:
+                i = self._counters["str"]
+                self._counters["str"] = i + 1
+                self._c("strid").put(_skey(s), pack_i(i) + pack_i(0))
+                self._c("str").put(pack_i(i), s.encode())
+                self._ids[s] = i
+        delta = self._str_delta
+        delta[i] = delta.get(i, 0) + 1
+        return i
+
+    def _release(self, ids: Iterable[int]) -> None:
+        delta = self._str_delta
+        for i in ids:
+            if i:
+                delta[i] = delta.get(i, 0) - 1
+
+    def _apply_string_refs(self) -> None:
+        """At commit: the reference counts of the strings the batch touched; a string nothing
+        refers to any more leaves the table (its id is never reused)."""
+        if not self._str_delta:
+            return
+        c_id, c_str = self._c("strid"), self._c("str")
+        for i, d in self._str_delta.items():
+            raw_s = c_str.get(pack_i(i))
+            if raw_s is None:
+                continue
+            text = raw_s.decode()
+            k = _skey(text)
+            raw = c_id.get(k)
+            if raw is None:
+                continue
+            refs = unpack_i(raw, 4)[0] + d
+            if refs <= 0:
+                c_id.delete()
+                if c_str.set_key(pack_i(i)):
+                    c_str.delete()
+                self._ids.pop(text, None)
+                self._strs.pop(i, None)
+            elif d:
+                c_id.put(k, pack_i(i) + pack_i(refs))
+        self._str_delta = {}
+
+    def _next(self, name: str) -> int:
+        n = self._counters[name] + 1
+        self._counters[name] = n
+        return n
+
+    # --- workloads -------------------------------------------------------------------------
+
+    def _workload(self, wid: int) -> Workload | None:
+        w = self._wls.get(wid)
+        if w is None:
+            raw = self._c("wl").get(pack_q(wid))
+            if raw is None:
+                return None
+            w = decode_workload(raw[8:], self._str, self._memo)
+            if len(self._wls) >= _CACHE_WORKLOADS:
+                self._wls.clear()
+            self._wls[wid] = w
+        return w
+
+    def _wid(self, uid: str) -> int | None:
+        raw = self._c("wluid").get(_skey(uid))
+        return None if raw is None else unpack_q(raw)[0]
 
     def upsert_workload(self, w: Workload) -> None:
-        old = self._workloads.get(w.uid)
-        if old is not None:
-            self._unindex_workload(old)
-        self._workloads[w.uid] = w
-        self._index_workload(w)
-        if self._wl_waiters:
-            fut = self._wl_waiters.pop((w.namespace, w.service_account), None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-        self._notify(ChangeKind.WORKLOAD, w.uid, False)
+        _check_name("workload uid", w.uid)
+        _check_name("workload name", w.name)
+        _check_name("workload hostname", w.hostname)
+        for key in w.services:
+            _check_name("service key", key)
+        with self.batch():
+            wid = self._wid(w.uid)
+            c = self._c("wl")
+            if wid is not None:
+                raw = c.get(pack_q(wid))
+                assert raw is not None
+                old = marshal.loads(raw[8:])
+                self._unindex_workload(old, unpack_q(raw)[0])
+                self._release(workload_ids(old))
+            else:
+                wid = self._next("wid")
+                self._c("wluid").put(_skey(w.uid), pack_q(wid))
+            seq = self._next("seq")
+            t = workload_tuple(w, self._intern)
+            c.put(pack_q(wid), pack_q(seq) + marshal.dumps(t))
+            self._index_workload(t, wid, seq)
+            if len(self._wls) >= _CACHE_WORKLOADS:
+                self._wls.clear()
+            self._wls[wid] = w
+            self._changes.append(StateChange(ChangeKind.WORKLOAD, w.uid, False, wid))
 
     def remove_workload(self, uid: str) -> Workload | None:
-        old = self._workloads.pop(uid, None)
-        if old is None:
+        if len(uid.encode()) > MAX_NAME_BYTES:
             return None
-        self._unindex_workload(old)
-        self._notify(ChangeKind.WORKLOAD, uid, True)
-        return old
+        with self.batch():
+            wid = self._wid(uid)
+            if wid is None:
+                return None
+            c = self._c("wl")
+            raw = c.get(pack_q(wid))
+            assert raw is not None
+            t = marshal.loads(raw[8:])
+            old = self._wls.pop(wid, None) or workload_from_tuple(t, self._str, self._memo)
+            self._unindex_workload(t, unpack_q(raw)[0])
+            self._release(workload_ids(t))
+            if c.set_key(pack_q(wid)):
+                c.delete()
+            self._c("wluid").delete(_skey(uid))
+            self._changes.append(StateChange(ChangeKind.WORKLOAD, uid, True, wid))
+            return old
 
-    def _index_workload(self, w: Workload) -> None:
+    @staticmethod
+    def _workload_keys(t: tuple[Any, ...], seq: int) -> list[tuple[str, bytes]]:
+        """Every index entry of a workload record (database, key), from its string ids."""
+        s = pack_q(seq)
+        ns = pack_i(t[W_NS])
+        out = []
         # Host-network workloads share the node IP: indexing it would shadow the node (Rust
         # skips them too).
-        if w.network_mode is not NetworkMode.HOST_NETWORK:
-            for ip in w.addresses:
-                self._by_addr.setdefault(NetworkAddress(w.network, ip), []).append(w)
-        self._by_identity.setdefault((w.namespace, w.service_account), {})[w.uid] = w
-        if w.hostname:
-            self._by_wl_hostname.setdefault(w.hostname, {})[w.uid] = w
-        for key in w.services:
-            self._endpoints.setdefault(key, {})[w.uid] = w
+        if t[W_NETMODE] != _HOST_NETWORK:
+            net = t[W_NETWORK]
+            out += [("addr", ip_key(net, packed) + s) for packed in t[W_ADDRS]]
+        out.append(("info", ns + _lp(t[W_NAME]) + s))
+        out.append(("ident", ns + pack_i(t[W_SA]) + pack_i(t[W_NODE]) + s))
+        if t[W_HOSTNAME]:
+            out.append(("wlhost", pack_i(t[W_HOSTNAME]) + s))
+        return out
 
-    def _unindex_workload(self, w: Workload) -> None:
-        uid = w.uid
-        if w.network_mode is not NetworkMode.HOST_NETWORK:
-            for ip in w.addresses:
-                k = NetworkAddress(w.network, ip)
-                lst = self._by_addr.get(k)
-                if lst is None:
-                    continue
-                lst[:] = [x for x in lst if x.uid != uid]
-                if not lst:
-                    del self._by_addr[k]
-        _discard(self._by_identity, (w.namespace, w.service_account), uid)
-        if w.hostname:
-            _discard(self._by_wl_hostname, w.hostname, uid)
-        for key in w.services:
-            _discard(self._endpoints, key, uid)
+    def _index_workload(self, t: tuple[Any, ...], wid: int, seq: int) -> None:
+        value = pack_q(wid)
+        for db, k in self._workload_keys(t, seq):
+            self._c(db).put(k, value)
+        services = t[W_SERVICES]
+        if services:
+            ep, epver, s = self._c("ep"), self._c("epver"), pack_q(seq)
+            for kid, ports in services:
+                ep.put(pack_i(kid) + s, value + _summary(t, ports))
+                self._bump(epver, pack_i(kid))
+
+    def _unindex_workload(self, t: tuple[Any, ...], seq: int) -> None:
+        for db, k in self._workload_keys(t, seq):
+            c = self._c(db)
+            if c.set_key(k):
+                c.delete()
+        services = t[W_SERVICES]
+        if services:
+            ep, epver, s = self._c("ep"), self._c("epver"), pack_q(seq)
+            for kid, _ in services:
+                if ep.set_key(pack_i(kid) + s):
+                    ep.delete()
+                self._bump(epver, pack_i(kid))
+
+    @staticmethod
+    def _bump(cursor: Any, key: bytes) -> None:
+        raw = cursor.get(key)
+        cursor.put(key, pack_q((unpack_q(raw)[0] if raw else 0) + 1))
+
+    def _scan_wids(self, db: str, prefix: bytes) -> list[int]:
+        return [unpack_q(v)[0] for _, v in prefix_scan(self._c(db), prefix)]
 
     def find_workload_by_uid(self, uid: str) -> Workload | None:
-        return self._workloads.get(uid)
+        if len(uid.encode()) > MAX_NAME_BYTES:
+            return None
+        wid = self._wid(uid)
+        return None if wid is None else self._workload(wid)
 
     def find_workload_by_addr(self, addr: NetworkAddress) -> Workload | None:
         # Exact: ::ffff:a.b.c.d is not a.b.c.d here (Rust keys by IpAddr; sockets canonicalise).
-        lst = self._by_addr.get(addr)
-        if not lst:
+        net = self._id(addr.network)
+        if net is None:
             return None
-        if len(lst) == 1:
-            return lst[0]
-        best = lst[0]
-        best_rank = _addr_rank(best)
-        for w in lst[1:]:
+        wids = self._scan_wids("addr", ip_key(net, addr.address.packed))
+        if not wids:
+            return None
+        if len(wids) == 1:
+            return self._workload(wids[0])
+        best: Workload | None = None
+        best_rank = -1
+        for wid in wids:
+            w = self._workload(wid)
+            if w is None:
+                continue
             r = _addr_rank(w)
             if r >= best_rank:  # ties go to the later one, as Rust's max_by_key does
                 best, best_rank = w, r
@@ -353,11 +737,16 @@ class State:
 
         Several matches can only come from bad config; the earliest inserted wins.
         """
-        cands = self._by_identity.get((namespace, service_account))
-        if not cands:
+        ns = self._id(namespace)
+        if ns is None or len(name.encode()) > MAX_NAME_BYTES:
             return None
-        for w in cands.values():
-            if w.name == name and (node is None or w.node == node):
+        for wid in self._scan_wids("info", pack_i(ns) + _lp(name)):
+            w = self._workload(wid)
+            if (
+                w is not None
+                and w.service_account == service_account
+                and (node is None or w.node == node)
+            ):
                 return w
         return None
 
@@ -388,78 +777,180 @@ class State:
                 return found
         return None
 
+    def _wake_waiters(self, changes: list[StateChange]) -> None:
+        for ch in changes:
+            if ch.kind is not ChangeKind.WORKLOAD or ch.removed:
+                continue
+            w = self.find_workload_by_uid(ch.key)
+            if w is None:
+                continue
+            fut = self._wl_waiters.pop((w.namespace, w.service_account), None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+            if not self._wl_waiters:
+                return
+
     def find_workload_by_hostname(
         self, hostname: str, namespace: str | None = None
     ) -> Workload | None:
-        cands = self._by_wl_hostname.get(hostname)
-        if not cands:
+        hid = self._id(hostname) if hostname else None
+        if hid is None:
             return None
-        for w in cands.values():
-            if namespace is None or w.namespace == namespace:
+        for wid in self._scan_wids("wlhost", pack_i(hid)):
+            w = self._workload(wid)
+            if w is not None and (namespace is None or w.namespace == namespace):
                 return w
         return None
 
     def workloads(self) -> Iterator[Workload]:
-        return iter(tuple(self._workloads.values()))
+        """Every workload (decoded one by one: for dumps and tools, not per connection)."""
+        lookup, memo = self._str, self._memo
+        for _, raw in _everything(self._c("wl")):
+            yield decode_workload(raw[8:], lookup, memo)
 
     def identity_on_node(self, namespace: str, service_account: str, node: str) -> bool:
         """Whether any workload with this identity remains on ``node`` ("" = any node): the
         test behind Rust ``WorkloadStore::was_last_identity_on_node`` (which, like this,
         ignores the trust domain)."""
-        cands = self._by_identity.get((namespace, service_account))
-        if not cands:
+        ns, sa = self._id(namespace), self._id(service_account)
+        if ns is None or sa is None:
             return False
-        return not node or any(w.node == node for w in cands.values())
+        prefix = pack_i(ns) + pack_i(sa)
+        if node:
+            nid = self._id(node)
+            if nid is None:
+                return False
+            prefix += pack_i(nid)
+        return next(prefix_scan(self._c("ident"), prefix), None) is not None
 
-    # --- services ------------------------------------------------------------------------
+    # --- services --------------------------------------------------------------------------
+
+    def _service(self, kid: int) -> Service | None:
+        s = self._svcs.get(kid)
+        if s is None:
+            raw = self._c("svc").get(pack_i(kid))
+            if raw is None:
+                return None
+            s = decode_service(raw[8:], self._str)
+            if len(self._svcs) >= _CACHE_SERVICES:
+                self._svcs.clear()
+            self._svcs[kid] = s
+        return s
 
     def upsert_service(self, s: Service) -> None:
         key = s.key
-        old = self._services.get(key)
-        if old is not None:
-            self._unindex_service(old)
-        self._services[key] = s
-        for vip in s.vips:
-            # One slot per namespace: a later service of the same namespace takes it over.
-            self._by_vip.setdefault(vip, {})[s.namespace] = s
-        for cidr in s.cidr_vips:
-            self._by_cidr_vip.append((cidr, s))
-        self._by_host.setdefault(s.hostname, {})[s.namespace] = s
-        self._notify(ChangeKind.SERVICE, key, False)
+        _check_name("service key", key)
+        _check_name("service hostname", s.hostname)
+        with self.batch():
+            c = self._c("svc")
+            kid = self._id(key)
+            if kid is not None:
+                raw = c.get(pack_i(kid))
+                if raw is not None:
+                    old = marshal.loads(raw[8:])
+                    self._unindex_service(old, kid)
+                    self._release(service_ids(old))
+                    self._release((kid,))
+            kid = self._intern(key)
+            seq = self._next("seq")
+            t = service_tuple(s, self._intern)
+            c.put(pack_i(kid), pack_q(seq) + marshal.dumps(t))
+            self._index_service(t, kid)
+            if len(self._svcs) >= _CACHE_SERVICES:
+                self._svcs.clear()
+            self._svcs[kid] = s
+            self._changes.append(StateChange(ChangeKind.SERVICE, key, False, kid))
 
     def remove_service(self, key: str) -> Service | None:
-        old = self._services.pop(key, None)
-        if old is None:
+        if len(key.encode()) > MAX_NAME_BYTES:
             return None
-        self._unindex_service(old)
-        self._notify(ChangeKind.SERVICE, key, True)
-        return old
+        with self.batch():
+            kid = self._id(key)
+            if kid is None:
+                return None
+            c = self._c("svc")
+            raw = c.get(pack_i(kid))
+            if raw is None:
+                return None
+            t = marshal.loads(raw[8:])
+            old = self._svcs.pop(kid, None) or service_from_tuple(t, self._str)
+            if c.set_key(pack_i(kid)):
+                c.delete()
+            self._unindex_service(t, kid)
+            self._release(service_ids(t))
+            self._release((kid,))
+            self._changes.append(StateChange(ChangeKind.SERVICE, key, True, kid))
+            return old
 
-    def _unindex_service(self, s: Service) -> None:
-        key = s.key
-        for vip in s.vips:
+    @staticmethod
+    def _slots(t: tuple[Any, ...]) -> list[tuple[str, str, bytes, bytes]]:
+        """(index, slot index, index prefix, slot key) of each VIP and the hostname of a
+        service record: one slot per namespace, as Rust ServiceStore keeps them (a list
+        replaced per namespace)."""
+        ns = pack_i(t[_S_NS])
+        out = []
+        for net, packed in t[_S_VIPS]:
+            ipk = ip_key(net, packed)
+            out.append(("vip", "vipslot", ipk, ipk + ns))
+        host = pack_i(t[_S_HOSTNAME])
+        out.append(("host", "hostslot", host, host + ns))
+        return out
+
+    def _index_service(self, t: tuple[Any, ...], kid: int) -> None:
+        value = pack_i(kid)
+        for db, slotdb, prefix, slotkey in self._slots(t):
+            slots = self._c(slotdb)
+            raw = slots.get(slotkey)
+            if raw is None:  # a new slot, last in order
+                raw = pack_q(self._next("seq"))
+                slots.put(slotkey, raw)
+            self._c(db).put(prefix + raw, value)  # (or the namespace's slot, overwritten)
+        cidrs = t[_S_CIDRS]
+        if cidrs:
+            c = self._c("cidr")
+            for net, (packed, plen) in cidrs:
+                c.put(pack_q(self._next("seq")), value + pack_i(net) + bytes((plen,)) + packed)
+            self._bump(self._c("meta"), b"cidr_ver")
+
+    def _unindex_service(self, t: tuple[Any, ...], kid: int) -> None:
+        for db, slotdb, prefix, slotkey in self._slots(t):
             # Rust ServiceStore::remove drops the namespace's slot, whoever holds it now.
-            slots = self._by_vip.get(vip)
-            if slots is not None:
-                slots.pop(s.namespace, None)
-                if not slots:
-                    del self._by_vip[vip]
-        if s.cidr_vips:
-            self._by_cidr_vip = [(c, x) for c, x in self._by_cidr_vip if x.key != key]
-        by_ns = self._by_host.get(s.hostname)
-        if by_ns is not None:
-            by_ns.pop(s.namespace, None)
-            if not by_ns:
-                del self._by_host[s.hostname]
+            slots = self._c(slotdb)
+            raw = slots.get(slotkey)
+            if raw is not None:
+                slots.delete()
+                c = self._c(db)
+                if c.set_key(prefix + raw):
+                    c.delete()
+        if t[_S_CIDRS]:
+            c = self._c("cidr")
+            mine = [k for k, v in _everything(c) if unpack_i(v)[0] == kid]
+            for k in mine:
+                if c.set_key(k):
+                    c.delete()
+            self._bump(self._c("meta"), b"cidr_ver")
 
     def find_service(self, key: str) -> Service | None:
         """Exact lookup by ``"ns/hostname"``."""
-        return self._services.get(key)
+        if len(key.encode()) > MAX_NAME_BYTES:
+            return None
+        kid = self._id(key)
+        return None if kid is None else self._service(kid)
+
+    def _services_at(self, db: str, prefix: bytes) -> list[Service]:
+        out = []
+        for _, v in prefix_scan(self._c(db), prefix):
+            svc = self._service(unpack_i(v)[0])
+            if svc is not None:
+                out.append(svc)
+        return out
 
     def find_services_by_vip(self, addr: NetworkAddress) -> list[Service]:
         """Every service holding ``addr`` as an exact VIP, in insertion order."""
-        slots = self._by_vip.get(addr)
-        return list(slots.values()) if slots else []
+        net = self._id(addr.network)
+        if net is None:
+            return []
+        return self._services_at("vip", ip_key(net, addr.address.packed))
 
     def find_service_by_vip(
         self, addr: NetworkAddress, namespace: str | None = None
@@ -467,28 +958,54 @@ class State:
         """Rust ``ServiceStore::get_best_by_vip``: among the services on this exact VIP that
         are visible to a client in ``namespace`` (None: no filter), the best match
         (:func:`find_best_match`); else the best CIDR VIP containing it."""
-        slots = self._by_vip.get(addr)
+        slots = self.find_services_by_vip(addr)
         if slots:
             if len(slots) == 1 and namespace is None:
-                return next(iter(slots.values()))
-            cands: Iterable[Service] = slots.values()
+                return slots[0]
+            cands: Iterable[Service] = slots
             if namespace is not None:
                 cands = [s for s in cands if visible_to(s, namespace)]
             best = find_best_match(cands, namespace)
             if best is not None:
                 return best
-        if self._by_cidr_vip:
-            return self._best_by_cidr_vip(addr, namespace)
+        cidrs = self._cidr_list()
+        if cidrs:
+            return self._best_by_cidr_vip(cidrs, addr, namespace)
         return None
 
-    def _best_by_cidr_vip(self, addr: NetworkAddress, namespace: str | None) -> Service | None:
+    def _cidr_list(self) -> list[tuple[NetworkCidr, int]]:
+        """The CIDR VIPs, in insertion order (few: read whole, again after they change)."""
+        raw = self._c("meta").get(b"cidr_ver")
+        version = unpack_q(raw)[0] if raw else 0
+        if self._cidrs is not None and self._cidrs[0] == version:
+            return self._cidrs[1]
+        out: list[tuple[NetworkCidr, int]] = []
+        for _, v in _everything(self._c("cidr")):
+            kid, net, plen = unpack_i(v)[0], unpack_i(v, 4)[0], v[8]
+            packed = bytes(v[9:])
+            cidr = (
+                ipaddress.IPv4Network((packed, plen))
+                if len(packed) == 4
+                else ipaddress.IPv6Network((packed, plen))
+            )
+            out.append((NetworkCidr(self._str(net), cidr), kid))
+        if self._wtxn is None:  # (not what an open batch shows)
+            self._cidrs = (version, out)
+        return out
+
+    def _best_by_cidr_vip(
+        self, cidrs: list[tuple[NetworkCidr, int]], addr: NetworkAddress, namespace: str | None
+    ) -> Service | None:
         """Rust ``get_best_by_cidr_vip``: rank (client's namespace, prefix length, canonical),
         the first of equal rank winning."""
         best: Service | None = None
         best_rank: tuple[bool, int, bool] | None = None
         ip = addr.address
-        for nc, svc in self._by_cidr_vip:
+        for nc, kid in cidrs:
             if nc.network != addr.network or ip.version != nc.cidr.version or ip not in nc.cidr:
+                continue
+            svc = self._service(kid)
+            if svc is None:
                 continue
             if namespace is not None and not visible_to(svc, namespace):
                 continue
@@ -503,8 +1020,11 @@ class State:
 
     def find_services_by_hostname(self, hostname: str) -> list[Service]:
         """All services with this hostname, one per namespace, ordered by namespace."""
-        by_ns = self._by_host.get(hostname)
-        return [by_ns[ns] for ns in sorted(by_ns)] if by_ns else []
+        hid = self._id(hostname) if hostname else None
+        if hid is None:
+            return []
+        found = self._services_at("host", pack_i(hid))
+        return sorted(found, key=lambda s: s.namespace)
 
     def find_service_by_hostname(
         self,
@@ -517,22 +1037,24 @@ class State:
         allows one per namespace) visible to a client in ``prefer_namespace`` (None: no
         filter), the client's namespace, else the last ``canonical`` one, else one in
         ``preferred_namespace`` (PREFERED_SERVICE_NAMESPACE), else the first inserted."""
-        by_ns = self._by_host.get(hostname)
-        if not by_ns:
+        hid = self._id(hostname) if hostname else None
+        if hid is None:
             return None
-        cands: Iterable[Service] = by_ns.values()
+        cands: Iterable[Service] = self._services_at("host", pack_i(hid))
         if prefer_namespace is not None:
             cands = [s for s in cands if visible_to(s, prefer_namespace)]
         return find_best_match(cands, prefer_namespace, preferred_namespace)
 
     def services(self) -> Iterator[Service]:
-        return iter(tuple(self._services.values()))
+        lookup = self._str
+        for _, raw in _everything(self._c("svc")):
+            yield decode_service(raw[8:], lookup)
 
     def services_for(self, workload: Workload) -> list[Service]:
         """The known services this workload is an endpoint of."""
-        return [s for k in workload.services if (s := self._services.get(k)) is not None]
+        return [s for k in workload.services if (s := self.find_service(k)) is not None]
 
-    # --- mixed lookups -------------------------------------------------------------------
+    # --- mixed lookups -----------------------------------------------------------------------
 
     def find_address(
         self, addr: NetworkAddress, namespace: str | None = None
@@ -559,15 +1081,15 @@ class State:
 
     async def fetch_workload_by_uid(self, uid: str) -> Workload | None:
         """Rust ``fetch_workload_by_uid``: the uid, on demand when unknown."""
-        found = self._workloads.get(uid)
+        found = self.find_workload_by_uid(uid)
         if found is not None or self.demander is None:
             return found
         await self.demander(uid)
-        return self._workloads.get(uid)
+        return self.find_workload_by_uid(uid)
 
     def find_hostname(self, namespace: str, hostname: str) -> Workload | Service | None:
         """Service ``namespace/hostname``, else a workload with that hostname in the namespace."""
-        s = self._services.get(f"{namespace}/{hostname}")
+        s = self.find_service(f"{namespace}/{hostname}")
         if s is not None:
             return s
         return self.find_workload_by_hostname(hostname, namespace)
@@ -583,12 +1105,27 @@ class State:
             return self.find_hostname(gw.hostname.namespace, gw.hostname.hostname)
         return None
 
-    # --- endpoints and load balancing ----------------------------------------------------
+    # --- endpoints and load balancing ----------------------------------------------------------
+
+    def _endpoint_wids(self, service: Service) -> list[int]:
+        kid = self._id(service.key) if len(service.key.encode()) <= MAX_NAME_BYTES else None
+        if kid is None:
+            return []
+        return [unpack_q(v)[0] for _, v in prefix_scan(self._c("ep"), pack_i(kid))]
 
     def endpoints(self, service: Service) -> list[Workload]:
-        """Workloads listing ``service`` in their ``services`` map (healthy or not)."""
-        eps = self._endpoints.get(service.key)
-        return list(eps.values()) if eps else []
+        """Workloads listing ``service`` in their ``services`` map (healthy or not). Decodes
+        every one: for DNS answers, dumps and tools; connections use :meth:`load_balance`."""
+        return [w for wid in self._endpoint_wids(service) if (w := self._workload(wid))]
+
+    def has_endpoint(self, service: Service, workload: Workload) -> bool:
+        """Whether ``workload`` lists ``service`` (Rust ``Service::contains_endpoint``)."""
+        wid = self._wid(workload.uid) if len(workload.uid.encode()) <= MAX_NAME_BYTES else None
+        kid = self._id(service.key) if len(service.key.encode()) <= MAX_NAME_BYTES else None
+        if wid is None or kid is None:
+            return False
+        raw = self._c("wl").get(pack_q(wid))
+        return raw is not None and self._c("ep").set_key(pack_i(kid) + raw[:8])
 
     def endpoint_target_port(
         self, service: Service, workload: Workload, service_port: int
@@ -641,6 +1178,9 @@ class State:
            and only the best rank survives;
         6. a random pick weighted by ``capacity`` (0 never picked; all zero -> None).
 
+        Steps 1-5 make a table, built once per change of the service's endpoints and per
+        (port, source locality), so a pick costs the same for 1 endpoint or 5,000.
+
         ``source`` None (no local workload) compares networks against "" and ranks every
         endpoint 0. PASSTHROUGH services are the caller's business: it should not call this.
         """
@@ -651,34 +1191,44 @@ class State:
                 break
         if svc_target is None and not for_waypoint:
             return None
-        members = self._endpoints.get(service.key)
-        if not members:
+        key = service.key
+        if len(key.encode()) > MAX_NAME_BYTES:
+            return None
+        kid = self._id(key)
+        if kid is None:
             return None
         lb = service.load_balancing
-        allow_unhealthy = lb is not None and lb.health_policy is HealthPolicy.ALLOW_ALL
-        src_network = source.network if source is not None else ""
-        key = service.key
-        candidates: list[Workload] = []
-        for wl in members.values():
-            if wl.status is WorkloadStatus.UNHEALTHY and not allow_unhealthy:
-                continue
-            # WDS is client-agnostic: an address-less workload comes with a network gateway
-            # even when it is on our own network, where the gateway must not be used.
-            if (
-                not wl.addresses
-                and not wl.hostname
-                and (wl.network == src_network or wl.network_gateway is None)
-            ):
-                continue
-            if for_waypoint:
-                if svc_target is None and wl.application_tunnel is None:
-                    continue
-            elif not svc_target and service_port not in wl.services.get(key, _NO_PORTS):
-                continue
-            candidates.append(wl)
-        if lb is not None and lb.mode is not LoadBalancerMode.UNSPECIFIED and candidates:
-            candidates = _rank_endpoints(candidates, lb, source)
-        chosen = _pick_weighted(candidates, rng if rng is not None else self._rng)
+        ranked = lb is not None and lb.mode is not LoadBalancerMode.UNSPECIFIED
+        src_key: tuple[str, ...] | None
+        if source is None:
+            src_key = None
+        elif ranked:
+            loc = source.locality
+            src_key = (
+                source.network,
+                loc.region,
+                loc.zone,
+                loc.subzone,
+                source.node,
+                source.cluster_id,
+            )
+        else:
+            src_key = (source.network,)
+        version = self._c("epver").get(pack_i(kid))
+        tkey = (kid, service_port, for_waypoint, svc_target, lb, src_key)
+        table = self._picks.get(tkey)
+        if table is None or table.version != version:
+            table = self._pick_table(
+                kid, version, service_port, svc_target, lb, source, for_waypoint
+            )
+            if self._wtxn is None:  # (an open batch's tables would outlive what it shows)
+                if len(self._picks) >= _CACHE_PICKS:
+                    self._picks.clear()
+                self._picks[tkey] = table
+        wid = table.pick(rng if rng is not None else self._rng)
+        if wid is None:
+            return None
+        chosen = self._workload(wid)
         if chosen is None:
             return None
         port = self.endpoint_target_port(service, chosen, service_port)
@@ -686,26 +1236,134 @@ class State:
             return None
         return chosen, port
 
-    # --- policies ------------------------------------------------------------------------
+    def _pick_table(
+        self,
+        kid: int,
+        version: bytes | None,
+        service_port: int,
+        svc_target: int | None,
+        lb: LoadBalancing | None,
+        source: Workload | None,
+        for_waypoint: bool,
+    ) -> _PickTable:
+        allow_unhealthy = lb is not None and lb.health_policy is HealthPolicy.ALLOW_ALL
+        src_network = source.network if source is not None else ""
+        lookup = self._str
+        cands: list[tuple[int, Any]] = []
+        for _, v in prefix_scan(self._c("ep"), pack_i(kid)):
+            e = marshal.loads(v[8:])
+            if e[_EP_UNHEALTHY] and not allow_unhealthy:
+                continue
+            # WDS is client-agnostic: an address-less workload comes with a network gateway
+            # even when it is on our own network, where the gateway must not be used.
+            if e[_EP_ADDRLESS] and (lookup(e[_EP_NETWORK]) == src_network or not e[_EP_GATEWAY]):
+                continue
+            if for_waypoint:
+                if svc_target is None and not e[_EP_TUNNEL]:
+                    continue
+            elif not svc_target and service_port not in e[_EP_PORTS]:
+                continue
+            cands.append((unpack_q(v)[0], e))
+        if lb is not None and lb.mode is not LoadBalancerMode.UNSPECIFIED and cands:
+            cands = self._rank(cands, lb, source)
+        return _PickTable(version, [wid for wid, _ in cands], [e[_EP_CAPACITY] for _, e in cands])
+
+    def _rank(
+        self, cands: list[tuple[int, Any]], lb: LoadBalancing, source: Workload | None
+    ) -> list[tuple[int, Any]]:
+        """Keep the endpoints with the best locality rank (Rust ``load_balance``, non-Standard
+        modes).
+
+        The rank is the number of leading ``routing_preference`` scopes that match the source; the
+        first mismatch stops the count. STRICT drops any endpoint that does not match them all.
+        When NETWORK is the first preference ("network preferred"), a network mismatch does not
+        stop the count (the other scopes are still tried) and a network match is worth
+        ``len(prefs) - 1`` extra, so any same-network endpoint outranks every other-network one.
+        """
+        prefs = lb.routing_preference
+        strict = lb.mode is LoadBalancerMode.STRICT
+        network_preferred = bool(prefs) and prefs[0] is LoadBalancerScope.NETWORK
+        lookup = self._str
+        mine: dict[LoadBalancerScope, str] = {}
+        if source is not None:
+            loc = source.locality
+            mine = {
+                LoadBalancerScope.REGION: loc.region,
+                LoadBalancerScope.ZONE: loc.zone,
+                LoadBalancerScope.SUBZONE: loc.subzone,
+                LoadBalancerScope.NODE: source.node,
+                LoadBalancerScope.CLUSTER: source.cluster_id,
+                LoadBalancerScope.NETWORK: source.network,
+            }
+        field_of = {
+            LoadBalancerScope.REGION: _EP_REGION,
+            LoadBalancerScope.ZONE: _EP_ZONE,
+            LoadBalancerScope.SUBZONE: _EP_SUBZONE,
+            LoadBalancerScope.NODE: _EP_NODE,
+            LoadBalancerScope.CLUSTER: _EP_CLUSTER,
+            LoadBalancerScope.NETWORK: _EP_NETWORK,
+        }
+        best = -1
+        out: list[tuple[int, Any]] = []
+        for wid, e in cands:
+            rank = 0
+            adjust = 0
+            if source is not None:  # no source: nothing to compare against, every endpoint ranks 0
+                for scope in prefs:
+                    f = field_of.get(scope)
+                    # UNSPECIFIED: Rust rejects it at conversion; never a match here.
+                    matches = f is not None and lookup(e[f]) == mine[scope]
+                    if scope is LoadBalancerScope.NETWORK and network_preferred:
+                        if not matches:
+                            continue
+                        adjust = len(prefs) - 1
+                    elif not matches:
+                        break
+                    rank += 1
+            if strict and rank != len(prefs):
+                continue
+            rank += adjust
+            if rank > best:
+                best, out = rank, [(wid, e)]
+            elif rank == best:
+                out.append((wid, e))
+        return out
+
+    # --- policies ------------------------------------------------------------------------------
 
     def upsert_policy(self, p: Authorization) -> None:
         key = p.key
-        old = self._policies.get(key)
-        if old is not None:
-            self._unindex_policy(old)
-        self._policies[key] = p
-        ns = self._policy_index_ns(p)
-        if ns is not None:
-            self._policies_by_ns.setdefault(ns, {})[key] = None
-        self._notify(ChangeKind.POLICY, key, False)
+        _check_name("policy key", key)
+        _check_name("policy namespace", p.namespace)
+        with self.batch():
+            c = self._c("pol")
+            k = _skey(key)
+            raw = c.get(k)
+            if raw is not None:
+                old = self._pols.get(key) or pickle.loads(raw[8:])
+                self._unindex_policy(old, unpack_q(raw)[0])
+            seq = self._next("seq")
+            c.put(k, pack_q(seq) + pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL))
+            ns = self._policy_index_ns(p)
+            if ns is not None:
+                self._c("polns").put(_lp(ns) + pack_q(seq), key.encode())
+            self._pols[key] = p
+            self._changes.append(StateChange(ChangeKind.POLICY, key, False))
 
     def remove_policy(self, key: str) -> Authorization | None:
-        old = self._policies.pop(key, None)
-        if old is None:
+        if len(key.encode()) > MAX_NAME_BYTES:
             return None
-        self._unindex_policy(old)
-        self._notify(ChangeKind.POLICY, key, True)
-        return old
+        with self.batch():
+            c = self._c("pol")
+            raw = c.get(_skey(key))
+            if raw is None:
+                return None
+            c.delete()
+            old: Authorization = self._pols.get(key) or pickle.loads(raw[8:])
+            self._unindex_policy(old, unpack_q(raw)[0])
+            self._pols.pop(key, None)
+            self._changes.append(StateChange(ChangeKind.POLICY, key, True))
+            return old
 
     @staticmethod
     def _policy_index_ns(p: Authorization) -> str | None:
@@ -717,20 +1375,28 @@ class State:
             return p.namespace
         return None
 
-    def _unindex_policy(self, p: Authorization) -> None:
+    def _unindex_policy(self, p: Authorization, seq: int) -> None:
         ns = self._policy_index_ns(p)
         if ns is not None:
-            keys = self._policies_by_ns.get(ns)
-            if keys is not None:
-                keys.pop(p.key, None)
-                if not keys:
-                    del self._policies_by_ns[ns]
+            c = self._c("polns")
+            if c.set_key(_lp(ns) + pack_q(seq)):
+                c.delete()
 
     def find_policy(self, key: str) -> Authorization | None:
-        return self._policies.get(key)
+        if key in self._pols:
+            return self._pols[key]
+        if len(key.encode()) > MAX_NAME_BYTES:
+            return None
+        raw = self._c("pol").get(_skey(key))
+        p: Authorization | None = None if raw is None else pickle.loads(raw[8:])
+        if len(self._pols) >= _CACHE_POLICIES:
+            self._pols.clear()
+        self._pols[key] = p
+        return p
 
     def policies(self) -> Iterator[Authorization]:
-        return iter(tuple(self._policies.values()))
+        for _, raw in _everything(self._c("pol")):
+            yield pickle.loads(raw[8:])
 
     def policies_for(self, workload: Workload) -> list[Authorization]:
         """Policies that apply to ``workload`` as a destination: its namespace's, the global
@@ -738,36 +1404,78 @@ class State:
         (the control plane may not have sent them yet)."""
         out: list[Authorization] = []
         seen: set[str] = set()
+
+        def in_ns(ns: str) -> list[str]:
+            if len(ns.encode()) > MAX_NAME_BYTES:
+                return []
+            return [v.decode() for _, v in prefix_scan(self._c("polns"), _lp(ns))]
+
         groups: tuple[Iterable[str], ...] = (
-            self._policies_by_ns.get(workload.namespace, ()),
-            self._policies_by_ns.get("", ()) if workload.namespace != "" else (),
+            in_ns(workload.namespace),
+            in_ns("") if workload.namespace != "" else (),
             workload.authorization_policies,
         )
         for keys in groups:
             for k in keys:
                 if k in seen:
                     continue
-                p = self._policies.get(k)
+                p = self.find_policy(k)
                 if p is not None:
                     seen.add(k)
                     out.append(p)
         return out
 
-    # --- bulk ----------------------------------------------------------------------------
+    # --- bulk ----------------------------------------------------------------------------------
 
     def clear(self) -> None:
         """Remove everything, notifying subscribers of each removal."""
-        for uid in list(self._workloads):
-            self.remove_workload(uid)
-        for key in list(self._services):
-            self.remove_service(key)
-        for key in list(self._policies):
-            self.remove_policy(key)
+        with self.batch():
+            for w in list(self.workloads()):
+                self.remove_workload(w.uid)
+            for s in list(self.services()):
+                self.remove_service(s.key)
+            for p in list(self.policies()):
+                self.remove_policy(p.key)
+
+    def counts(self) -> dict[str, int]:
+        """How many workloads, services and policies the store holds."""
+        txn = self._wtxn if self._wtxn is not None else self._rtxn
+        dbs = self._store.dbs
+        return {
+            "workloads": int(txn.stat(dbs["wl"])["entries"]),
+            "services": int(txn.stat(dbs["svc"])["entries"]),
+            "policies": int(txn.stat(dbs["pol"])["entries"]),
+            "strings": int(txn.stat(dbs["str"])["entries"]),
+        }
+
+    # --- xDS versions held (for a reconnect's initial_resource_versions) -------------------------
+
+    def put_version(self, type_url: str, name: str, version: str) -> None:
+        """Inside the batch that applied it: the version of an xDS resource now held."""
+        if len(name.encode()) > MAX_NAME_BYTES:
+            return
+        with self.batch():
+            self._c("ver").put(_lp(type_url) + name.encode(), version.encode())
+
+    def drop_version(self, type_url: str, name: str) -> None:
+        if len(name.encode()) > MAX_NAME_BYTES:
+            return
+        with self.batch():
+            c = self._c("ver")
+            if c.set_key(_lp(type_url) + name.encode()):
+                c.delete()
+
+    def versions(self, type_url: str) -> Iterator[tuple[str, str]]:
+        """The (name, version) of every resource of ``type_url`` held."""
+        prefix = _lp(type_url)
+        n = len(prefix)
+        for k, v in list(prefix_scan(self._c("ver"), prefix)):
+            yield bytes(k[n:]).decode(), bytes(v).decode()
 
 
-def _discard(index: dict[_K, dict[str, Workload]], key: _K, uid: str) -> None:
-    bucket = index.get(key)
-    if bucket is not None:
-        bucket.pop(uid, None)
-        if not bucket:
-            del index[key]
+def _everything(cursor: Any) -> list[tuple[bytes, bytes]]:
+    """Every (key, value) of a cursor's database, in key order (a list: the cursor may be used
+    again while the caller goes through it)."""
+    if not cursor.first():
+        return []
+    return list(cursor.iternext())

@@ -1,8 +1,9 @@
 """What the supervisor and its workers say to each other (pickled over ``ipc.Channel``).
 
 Supervisor -> worker:
-    Hello             the config and the log levels in force; first message
-    StateOps          workloads/services/policies to upsert (object) or remove (None), in order
+    Hello             the config, the log levels in force and the shared state store's path
+                      (the worker maps it read-only); first message
+    StateChanged      what a commit to the shared store changed, in commit order
     Cert / CertGone   a certificate for an identity a worker asked for (also every renewal) /
                       the identity left the node
     AddPod            a pod's (or the dedicated proxy's) listening sockets, and its netns, as fds
@@ -30,8 +31,8 @@ from ztunnel.config import Config, WorkloadInfo
 from ztunnel.core.identity import Identity
 from ztunnel.proxy.sockets import ListenKey
 
-# A state op: ("workload" | "service" | "policy", key, the object or None for a removal).
-StateOp = tuple[str, str, Any]
+# A state change: ("workload" | "service" | "policy", key, removed, the store's id for it).
+StateChangeTuple = tuple[str, str, bool, int]
 # A certificate as DER: (PKCS#8 key, leaf, intermediates, roots).
 CertBundle = tuple[bytes, bytes, tuple[bytes, ...], tuple[bytes, ...]]
 
@@ -40,11 +41,12 @@ CertBundle = tuple[bytes, bytes, tuple[bytes, ...], tuple[bytes, ...]]
 class Hello:
     config: Config
     log_spec: str
+    store: str
 
 
 @dataclass(frozen=True, slots=True)
-class StateOps:
-    ops: list[StateOp]
+class StateChanged:
+    changes: list[StateChangeTuple]
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,10 @@ which all accept from the same kernel queues. A pod's bind failure is therefore 
 supervisor's to report to the node agent, and a worker that dies loses only the connections it
 had accepted: the listeners stay open in the supervisor and the other workers.
 
-Each worker gets: the config; the state (a snapshot, then every change in order, batched per
-loop turn); certificates on request, and every renewal pushed; every pod's sockets. On-demand
-xDS lookups are forwarded here and answered once the state they brought was sent.
+Each worker gets: the config; the path of the shared state store, which it maps read-only (the
+node's one copy of the state: ``ztunnel/state/shared.py``), then what every commit changed;
+certificates on request, and every renewal pushed; every pod's sockets. On-demand xDS lookups
+are forwarded here and answered once the state they brought was committed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ztunnel.identity.certs import WorkloadCertificate
 from ztunnel.identity.manager import SecretManager
 from ztunnel.metrics import RegistryValues, add_values, cumulative_families, merged_registry
 from ztunnel.proxy.instance import ProxyInstance
-from ztunnel.state.store import ChangeKind, State, StateChange
+from ztunnel.state.store import State, StateChange
 from ztunnel.workers import messages as m
 from ztunnel.workers.ipc import Channel, ChannelClosed, encode
 from ztunnel.workers.zygote import Zygote
@@ -46,9 +47,9 @@ log = logging.getLogger("ztunnel.workers")
 
 START_TIMEOUT = 30.0
 QUERY_TIMEOUT = 5.0
-BARRIER_TIMEOUT = 600.0  # (a worker may take a while to apply a huge snapshot)
+BARRIER_TIMEOUT = 60.0
 RESTART_DELAY = 1.0
-MAX_BACKLOG = 256 * 1024 * 1024  # bytes queued to one worker (state snapshots of huge meshes)
+MAX_BACKLOG = 64 * 1024 * 1024  # bytes queued to one worker (a stuck one is killed past it)
 
 
 class WorkerStartError(Exception):
@@ -162,14 +163,12 @@ class WorkerPool:
         self.restarts = 0
         self._keys = 0
         self._requests = 0
-        self._pending: dict[tuple[ChangeKind, str], None] = {}
-        self._flush_scheduled = False
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._metrics_memo: dict[str, dict[tuple[str, ...], Any]] = {}
         self._retired: RegistryValues = {}  # dead workers' counters, as last scraped
         self._cumulative: frozenset[str] | None = None
-        state.subscribe(self._on_state_change)
+        state.on_commit(self._on_commit)
         secrets.on_certificate = self._on_certificate
         secrets.on_forget = self._on_forget
 
@@ -196,7 +195,6 @@ class WorkerPool:
     def _spawn(self, index: int) -> None:
         if self._closing:
             return
-        self._flush()  # (the snapshot below must include everything sent to the others)
         w = _Worker(index)
         self.workers[index] = w
         try:
@@ -209,12 +207,11 @@ class WorkerPool:
         w.channel = Channel(
             sock, functools.partial(self._on_message, w), functools.partial(self._on_close, w)
         )
-        w.send(m.Hello(self.config, self.log_spec))
-        w.send(m.StateOps(self._snapshot()))
+        # (It sees every commit made before it maps the store; the later ones are sent.)
+        w.send(m.Hello(self.config, self.log_spec, self.state.store.path))
         for inst in self.pods.values():
             self._send_pod(w, inst)
-        # Ready (and readiness) only once the worker holds the state and the pods: a big
-        # snapshot takes it a while to apply, and it serves nothing before.
+        # Ready (and readiness) only once the worker maps the state and serves the pods.
         w.send(m.Sync())
 
     def _on_close(self, w: _Worker) -> None:
@@ -223,6 +220,7 @@ class WorkerPool:
                 self._cumulative = cumulative_families(self.registry)
             add_values(self._retired, w.last_metrics, self._cumulative)
             w.last_metrics = None
+        self.state.store.reader_check()  # (its snapshot would keep old pages from reuse)
         for fut in w.requests.values():
             if not fut.done():
                 fut.set_exception(ConnectionError(f"worker {w.index} exited"))
@@ -294,8 +292,7 @@ class WorkerPool:
         try:
             if demander is not None:
                 await demander(msg.name)
-        finally:
-            self._flush()
+        finally:  # (after the commit it brought: its StateChanged went first)
             w.send(m.Demanded(msg.request))
 
     # --- certificates --------------------------------------------------------------------------
@@ -313,44 +310,17 @@ class WorkerPool:
 
     # --- state ---------------------------------------------------------------------------------
 
-    def _on_state_change(self, change: StateChange) -> None:
-        key = (change.kind, change.key)
-        self._pending.pop(key, None)  # (moved to the end: ops stay in last-change order)
-        self._pending[key] = None
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _op(self, kind: ChangeKind, key: str) -> m.StateOp:
-        s = self.state
-        if kind is ChangeKind.WORKLOAD:
-            return ("workload", key, s.find_workload_by_uid(key))
-        if kind is ChangeKind.SERVICE:
-            return ("service", key, s.find_service(key))
-        return ("policy", key, s.find_policy(key))
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if not self._pending:
-            return
-        ops = [self._op(kind, key) for kind, key in self._pending]
-        self._pending.clear()
-        msg = m.StateOps(ops)
+    def _on_commit(self, changes: list[StateChange]) -> None:
+        """Tell every worker what a commit changed (sent at once: a pod added, or an on-demand
+        answer, after it must reach the workers after it)."""
+        msg = m.StateChanged([(c.kind.value, c.key, c.removed, c.ref) for c in changes])
         payload = encode(msg)  # (once for every worker)
         for w in self.workers.values():
             w.send(msg, encoded=payload)
 
-    def _snapshot(self) -> list[m.StateOp]:
-        s = self.state
-        ops: list[m.StateOp] = [("workload", w.uid, w) for w in s.workloads()]
-        ops += [("service", x.key, x) for x in s.services()]
-        ops += [("policy", p.key, p) for p in s.policies()]
-        return ops
-
     # --- pods ----------------------------------------------------------------------------------
 
     def add(self, inst: RemoteInstance) -> None:
-        self._flush()
         self.pods[inst.key] = inst
         for w in self.workers.values():
             self._send_pod(w, inst)
@@ -402,9 +372,8 @@ class WorkerPool:
     async def barrier(self) -> None:
         """Return once every running worker has applied every state change made so far (the
         first xDS sync: readiness waits for the workers to hold it, not only the supervisor).
-        A worker restarting meanwhile is not waited for: it is not ready until its snapshot
-        is in anyway."""
-        self._flush()
+        A worker restarting meanwhile is not waited for: it is not ready until it maps the
+        store anyway."""
         await self.query("sync", timeout=BARRIER_TIMEOUT)
 
     async def query(self, what: str, *args: Any, timeout: float = QUERY_TIMEOUT) -> list[Any]:

@@ -1,7 +1,8 @@
 """A data-plane worker process: proxies for every pod, on the listeners its supervisor bound.
 
-It keeps a replica of the supervisor's state (applied from ``StateOps`` in order), asks the
-supervisor for certificates (and gets every renewal pushed), and builds a ``DataPlane`` of its
+It maps the supervisor's shared state store read-only (the node's one copy of the state) and
+is told what each commit changed (``StateChanged``, in order); it asks the supervisor for
+certificates (and gets every renewal pushed), and builds a ``DataPlane`` of its
 own: metrics (summed by the supervisor at each scrape), policy index, DNS companions, and the
 housekeeping (policy re-checks, byte-counter flushes, CRL reloads, malloc trim). It ignores
 SIGINT/SIGTERM: the supervisor tells it to drain, and it exits when the supervisor goes.
@@ -33,7 +34,7 @@ from ztunnel.identity.manager import CertificateForgotten, CertificateUnavailabl
 from ztunnel.identity.tls import TLS_POLICY_MEMO, TlsPolicy
 from ztunnel.metrics import registry_values
 from ztunnel.proxy.instance import ProxyInstance
-from ztunnel.state.store import State
+from ztunnel.state.store import ChangeKind, State, StateChange
 from ztunnel.workers import messages as m
 from ztunnel.workers.ipc import Channel
 
@@ -108,28 +109,10 @@ class RemoteSecrets:
                 fut.set_exception(CertificateForgotten(identity))
 
 
-def apply_ops(state: State, ops: list[m.StateOp]) -> None:
-    for kind, key, obj in ops:
-        if kind == "workload":
-            if obj is None:
-                state.remove_workload(key)
-            else:
-                state.upsert_workload(obj)
-        elif kind == "service":
-            if obj is None:
-                state.remove_service(key)
-            else:
-                state.upsert_service(obj)
-        elif obj is None:
-            state.remove_policy(key)
-        else:
-            state.upsert_policy(obj)
-
-
 class Worker:
     def __init__(self, index: int) -> None:
         self.index = index
-        self.state = State()
+        self.state: State | None = None  # (the shared store, mapped at Hello)
         self.proxies: dict[int, tuple[ProxyInstance, int | None]] = {}
         self.dataplane: DataPlane | None = None
         self.secrets: RemoteSecrets | None = None
@@ -146,6 +129,9 @@ class Worker:
         self._channel = Channel(sock, self._on_message, self._done.set)
         await self._done.wait()
         await self._stop(0)
+        if self.state is not None:
+            self.state.close()
+            self.state.store.close()
         return 0
 
     def _send(self, msg: Any) -> None:
@@ -160,8 +146,12 @@ class Worker:
     # --- messages ------------------------------------------------------------------------------
 
     def _on_message(self, msg: Any, fds: list[int]) -> None:
-        if isinstance(msg, m.StateOps):
-            apply_ops(self.state, msg.ops)
+        if isinstance(msg, m.StateChanged):
+            assert self.state is not None
+            self.state.apply_changes(
+                StateChange(ChangeKind(kind), key, removed, ref)
+                for kind, key, removed, ref in msg.changes
+            )
         elif isinstance(msg, m.Cert):
             assert self.secrets is not None
             self.secrets.update(msg)
@@ -196,6 +186,7 @@ class Worker:
         from ztunnel.admin.logctl import LogControl
 
         cfg = self.config = msg.config
+        state = self.state = State.open(msg.store)
         self._log = LogControl(cfg.rust_log)
         if msg.log_spec != cfg.rust_log:
             self._log.change(msg.log_spec, reset=True)
@@ -203,7 +194,7 @@ class Worker:
         self.secrets = RemoteSecrets(self._send, policy)
         dp = self.dataplane = DataPlane(
             cfg,
-            self.state,
+            state,
             self.secrets,
             self.registry,
             crl=crl,
@@ -214,7 +205,7 @@ class Worker:
         dp.instances = lambda: [p for p, _ in self.proxies.values()]
         dp.start()
         if cfg.xds_on_demand:
-            self.state.demander = self._demand
+            state.demander = self._demand
 
     async def _demand(self, name: str) -> None:
         self._next += 1

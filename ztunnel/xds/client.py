@@ -37,18 +37,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from google.protobuf import json_format, struct_pb2
+from google.protobuf.message import DecodeError
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from ztunnel.config import Config
 from ztunnel.logs import RateLimitedLog
 from ztunnel.state.model import Authorization, Service, Workload
-from ztunnel.state.store import State
+from ztunnel.state.store import State, StoreError
 from ztunnel.xds.control import CONNECT_TIMEOUT, ControlPlaneError, ControlPlaneTarget
 from ztunnel.xds.convert import (
     ADDRESS_TYPE_URL,
@@ -58,6 +60,13 @@ from ztunnel.xds.convert import (
     decode_authorization,
 )
 from ztunnel.xds.protos import discovery_pb2 as ds
+from ztunnel.xds.wire import (
+    MAX_RESOURCE_BYTES,
+    LazyDeltaResponse,
+    MessageTooLarge,
+    TooLargeResource,
+    recv_bounded,
+)
 
 __all__ = [
     "ADDRESS_TYPE_URL",
@@ -98,9 +107,20 @@ REASON_COMPLETE = "Complete"
 
 class XdsHandler(Protocol):
     """Where converted updates go. Each method applies one resource; raising rejects just that
-    resource (the client NACKs with the exception text). ``response_applied`` runs after each
-    response with at least one successful change, e.g. to re-check connections against
-    changed policies."""
+    resource (the client NACKs with the exception text), except a :class:`StoreError`, which
+    rejects the whole response: every response is applied inside one ``batch()``, so it is
+    applied whole or not at all. ``response_applied`` runs after each response with at least one
+    successful change, e.g. to re-check connections against changed policies. The versions of
+    the resources held are kept beside them (``put_version``/``drop_version``/``versions``), in
+    the same batch, for a reconnect's ``initial_resource_versions``."""
+
+    def batch(self) -> AbstractContextManager[None]: ...
+
+    def put_version(self, type_url: str, name: str, version: str) -> None: ...
+
+    def drop_version(self, type_url: str, name: str) -> None: ...
+
+    def versions(self, type_url: str) -> Iterable[tuple[str, str]]: ...
 
     def upsert_workload(self, workload: Workload) -> None: ...
 
@@ -125,6 +145,18 @@ class StateUpdater:
 
     def __init__(self, state: State) -> None:
         self.state = state
+
+    def batch(self) -> AbstractContextManager[None]:
+        return self.state.batch()
+
+    def put_version(self, type_url: str, name: str, version: str) -> None:
+        self.state.put_version(type_url, name, version)
+
+    def drop_version(self, type_url: str, name: str) -> None:
+        self.state.drop_version(type_url, name)
+
+    def versions(self, type_url: str) -> Iterable[tuple[str, str]]:
+        return self.state.versions(type_url)
 
     def upsert_workload(self, workload: Workload) -> None:
         self.state.upsert_workload(workload)
@@ -172,6 +204,8 @@ class XdsMetrics:
     connects: int = 0
     acks: int = 0
     nacks: int = 0
+    store_errors: int = 0  # responses not applied because the state store refused them
+    oversized: int = 0  # messages refused for their size (the stream is then restarted)
 
 
 def _inc(counter: dict[str, int], key: str, by: int = 1) -> None:
@@ -274,8 +308,6 @@ class AdsClient:
             ADDRESS_TYPE_URL: handler.remove_address,
             AUTHORIZATION_TYPE_URL: handler.remove_policy,
         }
-        # type URL -> resource name -> version, for every resource currently applied.
-        self._versions: dict[str, dict[str, str]] = {t: {} for t in self._decoders}
         # Types that must be ACKed once before we count as synced (on-demand Address: none).
         self._awaiting_sync: set[str] = {
             t for t in self._decoders if not (self._on_demand and t == ADDRESS_TYPE_URL)
@@ -300,8 +332,8 @@ class AdsClient:
         return self._node
 
     def resource_versions(self, type_url: str) -> dict[str, str]:
-        """A copy of name -> version of the resources of ``type_url`` currently applied."""
-        return dict(self._versions.get(type_url, {}))
+        """Name -> version of the resources of ``type_url`` currently applied."""
+        return dict(self._handler.versions(type_url))
 
     async def demand(self, name: str, timeout: float = DEMAND_TIMEOUT) -> None:
         """Ask istiod for the Address resource ``name`` and wait (at most ``timeout``) until a
@@ -410,6 +442,11 @@ class AdsClient:
                 "xDS stream %d error: %s %s; retrying in %.2fs", cid, e.status.name, msg, doubled
             )
             return REASON_ERROR, doubled, doubled
+        if isinstance(e, MessageTooLarge | DecodeError):
+            # Rust: a message over max_decoding_message_size fails the stream.
+            self.metrics.oversized += isinstance(e, MessageTooLarge)
+            log.error("xDS stream %d: %s; retrying in %.2fs", cid, e, doubled)
+            return REASON_ERROR, doubled, doubled
         if not attempt.established or isinstance(e, ControlPlaneError):
             log.warning(
                 "xDS connection %d to %s failed: %s; retrying in %.2fs",
@@ -438,7 +475,7 @@ class AdsClient:
                 req.resource_names_subscribe.append("*")
                 req.resource_names_unsubscribe.append("*")
                 req.resource_names_subscribe.extend(self._demanded)
-            req.initial_resource_versions.update(self._versions[type_url])
+            req.initial_resource_versions.update(self._handler.versions(type_url))
             reqs.append(req)
         return reqs
 
@@ -470,7 +507,7 @@ class AdsClient:
                     self._send = stream.send_message
                 log.info("xDS stream %d established to %s", self.connection_id, self.target.address)
                 while True:
-                    resp = await stream.recv_message()
+                    resp = await recv_bounded(stream)
                     if resp is None:
                         # The server closed its side: collect its status (raises if not OK).
                         await stream.end()
@@ -497,13 +534,80 @@ class AdsClient:
         # Keyed by the resource name, as Rust's policy store is (a removal names it).
         self._handler.upsert_policy(decode_authorization(data, name))
 
-    def _handle_response(self, resp: ds.DeltaDiscoveryResponse) -> ds.DeltaDiscoveryRequest:
+    def _apply_all(
+        self,
+        resp: LazyDeltaResponse,
+        type_url: str,
+        apply: Callable[[str, bytes], None],
+        remove: Callable[[str], None],
+        rejections: list[Rejection],
+        names: list[str] | None,
+    ) -> int:
+        """Apply every resource and removal of ``resp``; returns how many changes were made.
+        A resource that fails is rejected alone; a StoreError stops everything (the batch
+        around this is then not committed). ``names`` collects every name and alias seen
+        (on-demand answers)."""
+        handler = self._handler
+        changes = 0
+        payload_bytes = 0
+        for res in resp.resources:
+            if isinstance(res, TooLargeResource):
+                payload_bytes += res.size
+                rejections.append(
+                    Rejection(
+                        res.name or "?",
+                        f"resource of {res.size} bytes is larger than the "
+                        f"{MAX_RESOURCE_BYTES} allowed",
+                    )
+                )
+                continue
+            if names is not None:
+                names.append(res.name)
+                names += res.aliases
+            try:
+                if not res.HasField("resource"):
+                    raise ConversionError("resource", "xDS resource without a payload")
+                payload = res.resource
+                value = payload.value
+                payload_bytes += len(value)
+                if payload.type_url and payload.type_url != type_url:
+                    raise ConversionError(
+                        "resource.type_url", f"{payload.type_url!r} in a {type_url} response"
+                    )
+                apply(res.name, value)
+            except ConversionError as e:
+                rejections.append(Rejection(res.name, str(e)))
+                continue
+            except StoreError:
+                raise
+            except Exception as e:
+                log.error("xDS handler failed to apply %s", res.name, exc_info=e)
+                rejections.append(Rejection(res.name, f"{type(e).__name__}: {e}"))
+                continue
+            handler.put_version(type_url, res.name, res.version)
+            changes += 1
+        for name in resp.removed_resources:
+            if names is not None:
+                names.append(name)
+            try:
+                remove(name)
+            except StoreError:
+                raise
+            except Exception as e:
+                log.error("xDS handler failed to remove %s", name, exc_info=e)
+                rejections.append(Rejection(name, f"{type(e).__name__}: {e}"))
+                continue
+            handler.drop_version(type_url, name)
+            changes += 1
+        # Rust's Recorder<DeltaDiscoveryResponse>: the resources' payload bytes, not the message's.
+        _inc(self.metrics.message_bytes, type_url, payload_bytes)
+        return changes
+
+    def _handle_response(self, resp: LazyDeltaResponse) -> ds.DeltaDiscoveryRequest:
         """Apply one response; return the ACK or NACK to send."""
         type_url = resp.type_url
         m = self.metrics
         _inc(m.messages, type_url)
-        # Rust's Recorder<DeltaDiscoveryResponse>: the resources' payload bytes, not the message's.
-        _inc(m.message_bytes, type_url, sum(len(r.resource.value) for r in resp.resources))
         log.debug(
             "xDS response %s: %d resources, %d removals (nonce %s)",
             type_url,
@@ -518,48 +622,29 @@ class AdsClient:
             # ztunnel ACKs unknown types (and logs): NACKing would not make istiod stop.
             log.error("xDS response for unknown type %s ignored", type_url)
         else:
-            versions = self._versions[type_url]
             changes = 0
-            for res in resp.resources:
-                try:
-                    if not res.HasField("resource"):
-                        raise ConversionError("resource", "xDS resource without a payload")
-                    payload = res.resource
-                    if payload.type_url and payload.type_url != type_url:
-                        raise ConversionError(
-                            "resource.type_url", f"{payload.type_url!r} in a {type_url} response"
-                        )
-                    apply(res.name, payload.value)
-                except ConversionError as e:
-                    rejections.append(Rejection(res.name, str(e)))
-                    continue
-                except Exception as e:
-                    log.error("xDS handler failed to apply %s", res.name, exc_info=e)
-                    rejections.append(Rejection(res.name, f"{type(e).__name__}: {e}"))
-                    continue
-                versions[res.name] = res.version
-                changes += 1
-            for name in resp.removed_resources:
-                try:
-                    remove(name)
-                except Exception as e:
-                    log.error("xDS handler failed to remove %s", name, exc_info=e)
-                    rejections.append(Rejection(name, f"{type(e).__name__}: {e}"))
-                    continue
-                versions.pop(name, None)
-                changes += 1
+            names: list[str] | None = [] if self._pending and type_url == ADDRESS_TYPE_URL else None
+            try:
+                with self._handler.batch():  # (the whole response, or none of it)
+                    changes = self._apply_all(resp, type_url, apply, remove, rejections, names)
+            except StoreError as e:
+                log.error("xDS response %s not applied: %s", type_url, e)
+                self.metrics.store_errors += 1
+                changes = 0
+                rejections = [
+                    Rejection(
+                        f"{len(resp.resources) + len(resp.removed_resources)} resources",
+                        f"not applied: {e}",
+                    )
+                ]
             if changes:
                 try:
                     self._handler.response_applied(type_url, changes)
                 except Exception as e:
                     log.error("xDS handler response_applied(%s) failed", type_url, exc_info=e)
-            if self._pending and type_url == ADDRESS_TYPE_URL:
+            if names:
                 # After the state holds them (Rust notify_on_demand after handle()).
-                for res in resp.resources:
-                    self._answered(res.name)
-                    for alias in res.aliases:
-                        self._answered(alias)
-                for name in resp.removed_resources:
+                for name in names:
                     self._answered(name)
         ack = ds.DeltaDiscoveryRequest(type_url=type_url, response_nonce=resp.nonce)
         if rejections:

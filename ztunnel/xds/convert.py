@@ -187,24 +187,46 @@ def _gateway(pb: wl_pb.GatewayAddress, field: str) -> GatewayAddress:
 
 def _port_map(pb: wl_pb.PortList, field: str) -> dict[int, int]:
     out: dict[int, int] = {}
-    for i, p in enumerate(pb.ports):
-        out[_port(p.service_port, f"{field}.ports[{i}].service_port")] = _port(
-            p.target_port, f"{field}.ports[{i}].target_port"
-        )
+    for p in pb.ports:
+        sp, tp = p.service_port, p.target_port
+        if not (0 <= sp <= 65535 and 0 <= tp <= 65535):  # (the error's path built only then)
+            for i, q in enumerate(pb.ports):
+                _port(q.service_port, f"{field}.ports[{i}].service_port")
+                _port(q.target_port, f"{field}.ports[{i}].target_port")
+        out[sp] = tp
     return out
+
+
+def _by_value(cls: type[_E]) -> dict[int, _E]:
+    return {m.value: m for m in cls}
 
 
 # --- Workload --------------------------------------------------------------------------------
 
 
+_PROTOCOLS = _by_value(TunnelProtocol)
+_STATUSES = _by_value(WorkloadStatus)
+_NETWORK_MODES = _by_value(NetworkMode)
+_WORKLOAD_TYPE_NAMES = {t.value: t.name.lower() for t in WorkloadType}
+_NO_LOCALITY = Locality()
+
+
 def workload_from_proto(pb: wl_pb.Workload, field: str = "workload") -> Workload:
-    """Convert an ``istio.workload.Workload``; its xDS name is its ``uid``."""
+    """Convert an ``istio.workload.Workload``; its xDS name is its ``uid``.
+
+    On the path of every workload of a snapshot: error paths (the dotted field names) are
+    built only when a value is bad."""
     if not pb.uid:
         raise ConversionError(f"{field}.uid", "empty (the uid is the resource's key)")
-    if pb.tunnel_protocol == _LEGACY_ISTIO_MTLS:
+    proto = pb.tunnel_protocol
+    if proto == _LEGACY_ISTIO_MTLS:
         raise ConversionError(f"{field}.tunnel_protocol", "LEGACY_ISTIO_MTLS is not supported")
-    protocol = _enum(TunnelProtocol, pb.tunnel_protocol, f"{field}.tunnel_protocol")
-    addresses = tuple(_ip(a, f"{field}.addresses[{i}]") for i, a in enumerate(pb.addresses))
+    protocol = _PROTOCOLS.get(proto) or _enum(TunnelProtocol, proto, f"{field}.tunnel_protocol")
+    raw_addrs = pb.addresses
+    if len(raw_addrs) == 1 and len(raw_addrs[0]) == 4:  # (the usual pod)
+        addresses: tuple[IPAddr, ...] = (ipaddress.IPv4Address(raw_addrs[0]),)
+    else:
+        addresses = tuple(_ip(a, f"{field}.addresses[{i}]") for i, a in enumerate(raw_addrs))
     waypoint = _gateway(pb.waypoint, f"{field}.waypoint") if pb.HasField("waypoint") else None
     network_gateway = (
         _gateway(pb.network_gateway, f"{field}.network_gateway")
@@ -219,15 +241,22 @@ def workload_from_proto(pb: wl_pb.Workload, field: str = "workload") -> Workload
             port=_port(at.port, f"{field}.application_tunnel.port") or None,
         )
     services: dict[str, dict[int, int]] = {}
-    for key in sorted(pb.services):  # sorted: deterministic errors and dict order
-        sub = f"{field}.services[{key!r}]"
-        if "/" not in key:
-            raise ConversionError(sub, "service key must be <namespace>/<hostname>")
-        services[key] = _port_map(pb.services[key], sub)
-    locality = Locality()
+    pb_services = pb.services
+    if pb_services:
+        for key in sorted(pb_services):  # sorted: deterministic errors and dict order
+            if "/" not in key:
+                raise ConversionError(
+                    f"{field}.services[{key!r}]", "service key must be <namespace>/<hostname>"
+                )
+            services[key] = _port_map(pb_services[key], f"{field}.services[{key!r}]")
+    locality = _NO_LOCALITY
     if pb.HasField("locality"):
         loc = pb.locality
         locality = Locality(loc.region, loc.zone, loc.subzone)
+    status = _STATUSES.get(pb.status) or _enum(WorkloadStatus, pb.status, f"{field}.status")
+    mode = _NETWORK_MODES.get(pb.network_mode) or _enum(
+        NetworkMode, pb.network_mode, f"{field}.network_mode"
+    )
     return Workload(
         uid=pb.uid,
         name=pb.name,
@@ -244,18 +273,16 @@ def workload_from_proto(pb: wl_pb.Workload, field: str = "workload") -> Workload
         canonical_name=pb.canonical_name,
         canonical_revision=pb.canonical_revision,
         # Rust: resource.workload_type().as_str_name().to_lowercase() (unknown: deployment)
-        workload_type=_enum_or(
-            WorkloadType, pb.workload_type, WorkloadType.DEPLOYMENT
-        ).name.lower(),
+        workload_type=_WORKLOAD_TYPE_NAMES.get(pb.workload_type, "deployment"),
         workload_name=pb.workload_name,
         native_tunnel=pb.native_tunnel,
         application_tunnel=app_tunnel,
         services=services,
         authorization_policies=tuple(pb.authorization_policies),
-        status=_enum(WorkloadStatus, pb.status, f"{field}.status"),
+        status=status,
         cluster_id=pb.cluster_id or DEFAULT_CLUSTER_ID,
         locality=locality,
-        network_mode=_enum(NetworkMode, pb.network_mode, f"{field}.network_mode"),
+        network_mode=mode,
         capacity=pb.capacity.value if pb.HasField("capacity") else DEFAULT_CAPACITY,
     )
 

@@ -1,6 +1,6 @@
-"""What a worker rebuilds from the supervisor's messages: the state (ops applied in order give
-the same lookups), certificates (DER bundles), and one metrics exposition summed over
-processes."""
+"""What a worker rebuilds from the supervisor's messages: the state (it maps the supervisor's
+store and is told what each commit changed), certificates (DER bundles), and one metrics
+exposition summed over processes."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.tls import TLS_POLICY_MEMO, TlsPolicy
 from ztunnel.metrics import Family, HistogramFamily, encode, merged_registry, registry_values
 from ztunnel.state.localconfig import load_local_config
-from ztunnel.state.store import State
+from ztunnel.state.store import ChangeKind, State, StateChange
+from ztunnel.workers import messages as m
 from ztunnel.workers.supervisor import cert_bundle
-from ztunnel.workers.worker import apply_ops, cert_from_bundle
+from ztunnel.workers.worker import cert_from_bundle
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,22 +45,44 @@ policies:
 """
 
 
-def test_snapshot_and_removals_rebuild_the_same_state() -> None:
+def test_a_worker_sees_every_commit_it_is_told_about() -> None:
     src = State()
-    load_local_config(LOCAL, "test").apply_to(src)
-    ops = [("workload", w.uid, w) for w in src.workloads()]
-    ops += [("service", s.key, s) for s in src.services()]
-    ops += [("policy", p.key, p) for p in src.policies()]
-    replica = State()
-    apply_ops(replica, pickle.loads(pickle.dumps(ops)))  # (as the channel carries them)
+    sent: list[bytes] = []
+
+    def tell(changes: list[StateChange]) -> None:  # (what WorkerPool._on_commit sends)
+        msg = m.StateChanged([(c.kind.value, c.key, c.removed, c.ref) for c in changes])
+        sent.append(pickle.dumps(msg))
+
+    src.on_commit(tell)
+    with src.batch():
+        load_local_config(LOCAL, "test").apply_to(src)
+    replica = State(store=src.store.reader())  # a worker: the same store, read-only
+    seen: list[StateChange] = []
+    replica.subscribe(seen.append)
     (w,) = replica.workloads()
     assert w.uid == "c//v1/Pod/ns/a"
     (svc,) = replica.services()
     assert [e.uid for e in replica.endpoints(svc)] == [w.uid]
     assert [p.key for p in replica.policies_for(w)] == [p.key for p in src.policies_for(w)]
-    apply_ops(replica, [("workload", w.uid, None), ("policy", "ns/deny-all", None)])
+    assert replica.find_workload_by_uid(w.uid) == w  # (now in its cache)
+    with src.batch():
+        src.remove_workload(w.uid)
+        src.remove_policy("ns/deny-all")
+    # Until it is told, the worker keeps reading the snapshot it has: never half of a commit.
+    assert replica.find_workload_by_uid(w.uid) == w
+    msg = pickle.loads(sent[-1])
+    replica.apply_changes(
+        StateChange(ChangeKind(k), key, rm, ref) for k, key, rm, ref in msg.changes
+    )
+    assert replica.find_workload_by_uid(w.uid) is None
     assert not list(replica.workloads()) and not list(replica.policies())
     assert replica.endpoints(svc) == []
+    assert [(c.kind, c.key, c.removed) for c in seen] == [
+        (ChangeKind.WORKLOAD, w.uid, True),
+        (ChangeKind.POLICY, "ns/deny-all", True),
+    ]
+    replica.close()
+    replica.store.close()
 
 
 def test_certificate_bundle_round_trip() -> None:

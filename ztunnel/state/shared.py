@@ -1,0 +1,225 @@
+"""The node's one copy of the mesh state: an LMDB environment with one writer and many readers.
+
+The supervisor's xDS client is the only writer; every data-plane worker opens the same files
+read-only and reads the same pages (the page cache, shared: PSS counts them once however many
+workers map them). LMDB gives MVCC: a reader's transaction is a consistent snapshot, so a reader
+never sees a half-applied update, and a writer never waits for readers.
+
+This module is only the mechanics: the environment's lifecycle, its named databases, the string
+table (every string that repeats is stored once, with a reference count) and the key layouts.
+What the databases mean, and every lookup, is :class:`ztunnel.state.store.State`'s.
+
+Databases (``>I`` and ``>Q`` are big-endian so that keys sort by number):
+
+    meta     b"cidr_ver" -> >Q (bumped when the CIDR VIPs change)
+    str      id >I -> utf-8            strid   utf-8 -> id >I, references >I
+    wl       wid >Q -> seq >Q + record          wluid  uid -> wid >Q
+    addr     net >I, len, ip, seq >Q -> wid     info   ns >I, name, 0, seq -> wid
+    ident    ns >I, sa >I, node >I, seq -> wid  wlhost hostname, 0, seq -> wid
+    ep       svc >I, seq -> wid >Q + endpoint summary     epver  svc >I -> >Q
+    svc      svc >I -> seq + record
+    vip      net >I, len, ip, slot seq -> svc >I            vipslot  net, len, ip, ns >I -> slot seq
+    host     hostname, 0, slot seq -> svc >I                hostslot hostname, 0, ns >I -> slot seq
+    cidr     seq >Q -> svc >I + net >I + cidr
+    pol      key -> seq + pickled Authorization             polns   ns, 0, seq -> key
+    ver      type url, 0, name -> version  (the xDS versions held, for reconnects)
+
+``svc`` is the interned id of the service key (``ns/hostname``): workloads name the services
+they are endpoints of by key, before or after the service itself arrives. ``seq`` is bumped at
+every upsert, so every index lists its entries in last-upsert order (the dicts the in-memory
+State used had that order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import lmdb
+
+__all__ = [
+    "DB_NAMES",
+    "SharedStore",
+    "StoreError",
+    "StoreFull",
+    "pack_q",
+]
+
+_Q = struct.Struct(">Q")
+_I = struct.Struct(">I")
+_II = struct.Struct(">II")
+
+pack_q = _Q.pack
+unpack_q = _Q.unpack_from
+pack_i = _I.pack
+unpack_i = _I.unpack_from
+
+DB_NAMES = (
+    "meta",
+    "str",
+    "strid",
+    "wl",
+    "wluid",
+    "addr",
+    "info",
+    "ident",
+    "wlhost",
+    "ep",
+    "epver",
+    "svc",
+    "vip",
+    "vipslot",
+    "host",
+    "hostslot",
+    "cidr",
+    "pol",
+    "polns",
+    "ver",
+)
+
+DEFAULT_MAP_SIZE = 2 << 30  # 2 GiB of address space; the file grows only as pages are used
+PRIVATE_MAP_SIZE = 256 << 20  # a private store (tests, `ztunnel explain`)
+MAX_READERS = 512
+
+
+class StoreError(Exception):
+    """The shared state store failed (the state stays as it was before the failed change)."""
+
+
+class StoreFull(StoreError):
+    """The state does not fit in the store's map size (``ZTUNNEL_STATE_MAX_BYTES``)."""
+
+
+class SharedStore:
+    """One LMDB environment. ``create`` makes a new, empty one (the writer); ``open`` maps an
+    existing one read-only (a worker). The writer removes the directory when it closes."""
+
+    def __init__(self, env: lmdb.Environment, path: str, *, writer: bool, owned: bool) -> None:
+        self.env = env
+        self.path = path
+        self.writer = writer
+        self._owned = owned  # remove the directory on close
+        self.dbs: dict[str, Any] = {}
+        self.closed = False
+
+    @classmethod
+    def create(cls, parent: str | None = None, *, map_size: int = DEFAULT_MAP_SIZE) -> SharedStore:
+        """A new empty store in a fresh directory under ``parent`` (default: the temp dir)."""
+        path = tempfile.mkdtemp(prefix="ztunnel-state-", dir=parent)
+        try:
+            env = lmdb.open(
+                path,
+                map_size=map_size,
+                max_dbs=len(DB_NAMES) + 1,
+                max_readers=MAX_READERS,
+                # Rebuilt at every start: nothing is ever flushed for durability.
+                sync=False,
+                metasync=False,
+                readahead=False,
+                meminit=False,
+            )
+        except lmdb.Error as e:
+            shutil.rmtree(path, ignore_errors=True)
+            raise StoreError(f"cannot create the state store in {path}: {e}") from None
+        store = cls(env, path, writer=True, owned=True)
+        with env.begin(write=True) as txn:
+            for name in DB_NAMES:
+                store.dbs[name] = env.open_db(name.encode(), txn=txn)
+            # String id 0 is the empty string, forever (never counted, never removed).
+            txn.put(pack_i(0), b"", db=store.dbs["str"])
+        return store
+
+    @classmethod
+    def open(cls, path: str) -> SharedStore:
+        """Map the store at ``path`` (made by :meth:`create` in another process) read-only."""
+        try:
+            env = lmdb.open(
+                path,
+                readonly=True,
+                create=False,
+                max_dbs=len(DB_NAMES) + 1,
+                max_readers=MAX_READERS,
+                readahead=False,
+            )
+            store = cls(env, path, writer=False, owned=False)
+            for name in DB_NAMES:  # (each in a transaction of its own, committed: kept)
+                store.dbs[name] = env.open_db(name.encode(), create=False)
+        except lmdb.Error as e:
+            raise StoreError(f"cannot open the state store at {path}: {e}") from None
+        return store
+
+    def reader(self) -> SharedStore:
+        """A read-only view of this store in this process (LMDB maps an environment once per
+        process: a worker in another process uses :meth:`open`)."""
+        view = SharedStore(self.env, self.path, writer=False, owned=False)
+        view.dbs = self.dbs
+        view.closed = True  # (closing it must not close the writer's environment)
+        return view
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(lmdb.Error):
+            self.env.close()
+        if self._owned:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def reader_check(self) -> int:
+        """Release the reader slots of processes that died (a killed worker's snapshot would
+        otherwise keep every page it could see from being reused)."""
+        try:
+            return int(self.env.reader_check())
+        except lmdb.Error:
+            return 0
+
+    def file_bytes(self) -> int:
+        """Bytes the data file holds on disk (its pages in use and free)."""
+        try:
+            return os.stat(os.path.join(self.path, "data.mdb")).st_size
+        except OSError:
+            return 0
+
+    def used_bytes(self) -> int:
+        """Bytes of the map in use (LMDB's last used page)."""
+        info = self.env.info()
+        stat = self.env.stat()
+        return int((info["last_pgno"] + 1) * stat["psize"])
+
+    def map_size(self) -> int:
+        return int(self.env.info()["map_size"])
+
+
+def prefix_scan(cursor: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Every (key, value) whose key starts with ``prefix``, in key order."""
+    if not cursor.set_range(prefix):
+        return
+    n = len(prefix)
+    for key, value in cursor:
+        if key[:n] != prefix:
+            return
+        yield key, value
+
+
+def prefix_keys(cursor: Any, prefix: bytes) -> list[bytes]:
+    """The keys starting with ``prefix`` (a list: safe to delete them afterwards)."""
+    return [k for k, _ in prefix_scan(cursor, prefix)]
+
+
+def ip_key(net: int, packed: bytes) -> bytes:
+    """An address in index keys: the network's string id, the IP's length, the IP."""
+    return _I.pack(net) + bytes((len(packed),)) + packed
+
+
+def pack_ii(a: int, b: int) -> bytes:
+    return _II.pack(a, b)
+
+
+def unpack_ii(raw: bytes, offset: int = 0) -> tuple[int, int]:
+    a, b = _II.unpack_from(raw, offset)
+    return a, b
