@@ -36,7 +36,7 @@ from ztunnel.identity.crl import CrlManager
 from ztunnel.identity.localca import LocalCA
 from ztunnel.identity.manager import SecretManager
 from ztunnel.identity.tls import TlsPolicy
-from ztunnel.metrics import Metrics, export_certificate_expiry, export_xds
+from ztunnel.metrics import Metrics, export_certificate_expiry, export_state_store, export_xds
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.authz import PolicyIndex
@@ -169,6 +169,9 @@ class App:
         self.metrics, self.policies, self.pipes = dp.metrics, dp.policies, dp.pipes
         dp.instances = self._instances
         export_xds(self.registry, lambda: self.xds.metrics if self.xds is not None else None)
+        export_state_store(
+            self.registry, self.state, lambda: self.xds.metrics if self.xds is not None else None
+        )
         export_certificate_expiry(
             self.registry, lambda: self.secrets.statuses() if self.secrets is not None else ()
         )

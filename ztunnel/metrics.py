@@ -57,6 +57,7 @@ __all__ = [
     "encode_chunks",
     "encode_chunks_async",
     "export_certificate_expiry",
+    "export_state_store",
     "export_xds",
     "flag_for",
     "reporter_for_direction",
@@ -680,6 +681,79 @@ def export_certificate_expiry(
         values,
         registry=registry,
         replace=True,
+    )
+
+
+class StoreLike(Protocol):
+    """``ztunnel.state.store.State`` as its metrics read it."""
+
+    def store_sizes(self) -> dict[str, int]: ...
+    def counts(self) -> dict[str, int]: ...
+
+
+class RefusalCounts(Protocol):
+    """``ztunnel.xds.client.XdsMetrics``: what it refused."""
+
+    @property
+    def store_errors(self) -> int: ...
+    @property
+    def oversized(self) -> int: ...
+    @property
+    def oversized_resources(self) -> int: ...
+
+
+def export_state_store(
+    registry: CollectorRegistry,
+    state: StoreLike,
+    refusals: Callable[[], RefusalCounts | None],
+) -> None:
+    """Beyond Rust, the shared state store (``ztunnel/state/shared.py``) and what istiod sent
+    that it could not take: ``ztunnel_state_store_bytes{kind}`` (``used``: pages in use,
+    ``file``: the data file, ``limit``: ZTUNNEL_STATE_MAX_BYTES), ``ztunnel_state_objects{kind}``
+    (workloads, services, policies, strings) and ``ztunnel_xds_refused_total{reason}``
+    (``state_store_full``: a response NACKed whole, the last state kept;
+    ``message_too_large``: a message over 200 MiB, the stream restarted;
+    ``resource_too_large``: a resource over 1 MiB, NACKed alone)."""
+
+    def sizes() -> list[tuple[tuple[str], int]]:
+        return [((k,), v) for k, v in sorted(state.store_sizes().items())]
+
+    def objects() -> list[tuple[tuple[str], int]]:
+        return [((k,), v) for k, v in sorted(state.counts().items())]
+
+    def refused() -> list[tuple[tuple[str], int]]:
+        r = refusals()
+        if r is None:
+            return []
+        return [
+            (("message_too_large",), r.oversized),
+            (("resource_too_large",), r.oversized_resources),
+            (("state_store_full",), r.store_errors),
+        ]
+
+    _Sourced(
+        "ztunnel_state_store_bytes",
+        "Bytes of the shared state store: used, file, limit (unstable).",
+        "gauge",
+        ("kind",),
+        sizes,
+        registry=registry,
+    )
+    _Sourced(
+        "ztunnel_state_objects",
+        "Workloads, services, policies and strings in the shared state store (unstable).",
+        "gauge",
+        ("kind",),
+        objects,
+        registry=registry,
+    )
+    _Sourced(
+        "ztunnel_xds_refused",
+        "xDS input refused: message_too_large, resource_too_large, state_store_full (unstable).",
+        "counter",
+        ("reason",),
+        refused,
+        registry=registry,
     )
 
 

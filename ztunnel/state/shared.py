@@ -11,23 +11,23 @@ What the databases mean, and every lookup, is :class:`ztunnel.state.store.State`
 
 Databases (``>I`` and ``>Q`` are big-endian so that keys sort by number):
 
-    meta     b"cidr_ver" -> >Q (bumped when the CIDR VIPs change)
     str      id >I -> utf-8            strid   utf-8 -> id >I, references >I
     wl       wid >Q -> seq >Q + record          wluid  uid -> wid >Q
-    addr     net >I, len, ip, seq >Q -> wid     info   ns >I, name, 0, seq -> wid
-    ident    ns >I, sa >I, node >I, seq -> wid  wlhost hostname, 0, seq -> wid
+    addr     net >I, len, ip -> [wid >Q]        info   ns >I, name -> [wid >Q]
+    ident    ns >I, sa >I, node >I, seq -> wid  wlhost hostname >I -> [wid >Q]
     ep       svc >I, seq -> wid >Q + endpoint summary     epver  svc >I -> >Q
     svc      svc >I -> seq + record
-    vip      net >I, len, ip, slot seq -> svc >I            vipslot  net, len, ip, ns >I -> slot seq
-    host     hostname, 0, slot seq -> svc >I                hostslot hostname, 0, ns >I -> slot seq
+    vip      net >I, len, ip -> [ns >I, svc >I]   host  hostname >I -> [ns >I, svc >I]
     cidr     seq >Q -> svc >I + net >I + cidr
     pol      key -> seq + pickled Authorization             polns   ns, 0, seq -> key
     ver      type url, 0, name -> version  (the xDS versions held, for reconnects)
 
+``[...]`` is a list of fixed-size items in one value (keys with few entries: one read per
+lookup); ``ep`` and ``ident``, whose keys may have thousands, have one key per entry.
 ``svc`` is the interned id of the service key (``ns/hostname``): workloads name the services
-they are endpoints of by key, before or after the service itself arrives. ``seq`` is bumped at
-every upsert, so every index lists its entries in last-upsert order (the dicts the in-memory
-State used had that order).
+they are endpoints of by key, before or after the service itself arrives; ``hostname``, ``ns``,
+``net``, ``sa`` and ``node`` are string ids too. ``seq`` is bumped at every upsert, so every
+index lists its entries in last-upsert order (the order of the dicts an in-memory State keeps).
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ pack_i = _I.pack
 unpack_i = _I.unpack_from
 
 DB_NAMES = (
-    "meta",
     "str",
     "strid",
     "wl",
@@ -73,9 +72,7 @@ DB_NAMES = (
     "epver",
     "svc",
     "vip",
-    "vipslot",
     "host",
-    "hostslot",
     "cidr",
     "pol",
     "polns",
@@ -204,6 +201,20 @@ def prefix_scan(cursor: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         if key[:n] != prefix:
             return
         yield key, value
+
+
+def prefix_values(cursor: Any, prefix: bytes) -> list[bytes]:
+    """The values of the keys starting with ``prefix``, in key order: the per-connection form
+    of :func:`prefix_scan` (no generator; a miss costs one seek)."""
+    if not cursor.set_range(prefix):
+        return []
+    n = len(prefix)
+    if cursor.key()[:n] != prefix:
+        return []
+    out = [cursor.value()]
+    while cursor.next() and cursor.key()[:n] == prefix:
+        out.append(cursor.value())
+    return out
 
 
 def prefix_keys(cursor: Any, prefix: bytes) -> list[bytes]:

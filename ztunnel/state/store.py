@@ -35,6 +35,7 @@ import marshal
 import pickle
 import random
 import weakref
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -258,10 +259,11 @@ class _PickTable:
     """A service's usable endpoints for one (port, source locality), with their weights: what
     :meth:`State.load_balance` picks from in O(1) (O(log n) with uneven capacities)."""
 
-    __slots__ = ("cumulative", "total", "version", "wids")
+    __slots__ = ("cumulative", "serial", "total", "version", "wids")
 
     def __init__(self, version: bytes | None, wids: list[int], weights: list[int]) -> None:
         self.version = version
+        self.serial = -1  # the State's snapshot serial it was last checked at
         self.wids = wids
         self.total = 0
         self.cumulative: list[int] | None = None
@@ -287,6 +289,21 @@ class _PickTable:
         return self.wids[bisect.bisect_right(self.cumulative, rng.randrange(self.total))]
 
 
+class _Batch:
+    """The context manager of :meth:`State.batch` (one per State: the depth is the State's)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+
+    def __enter__(self) -> None:
+        self._state._begin()
+
+    def __exit__(self, et: object, exc: BaseException | None, tb: object) -> None:
+        self._state._end(exc)
+
+
 class State:
     """Workloads, services and authorization policies, indexed for the per-connection lookups.
 
@@ -296,21 +313,26 @@ class State:
 
     __slots__ = (
         "__weakref__",
+        "_batch",
         "_changes",
         "_cidrs",
         "_commit_listeners",
         "_counters",
         "_cur",
         "_depth",
+        "_failed",
         "_generation",
         "_ids",
+        "_kids",
         "_memo",
         "_picks",
         "_pols",
         "_rng",
         "_rtxn",
+        "_serial",
         "_store",
         "_str_delta",
+        "_str_drop",
         "_strs",
         "_subscribers",
         "_svcs",
@@ -331,9 +353,13 @@ class State:
         self._rtxn: Any = store.env.begin()
         self._wtxn: Any = None
         self._depth = 0
+        self._failed = False  # a change of the open batch failed: it will be aborted
+        self._batch = _Batch(self)
         self._cur: dict[str, Any] = {}  # cursors of the transaction lookups read now
         self._changes: list[StateChange] = []  # of the open batch
-        self._str_delta: dict[int, int] = {}  # string id -> reference count change (open batch)
+        # String id -> references added / dropped by the open batch (Counter.update counts in C).
+        self._str_delta: Counter[int] = Counter()
+        self._str_drop: Counter[int] = Counter()
         self._counters = {"wid": 0, "seq": 0, "str": 1}
         self._strs: dict[int, str] = {0: ""}  # string id -> string (ids are never reused)
         self._ids: dict[str, int] = {"": 0}  # string -> id
@@ -341,7 +367,13 @@ class State:
         self._svcs: dict[int, Service] = {}
         self._pols: dict[str, Authorization | None] = {}
         self._picks: dict[tuple[Any, ...], _PickTable] = {}
-        self._cidrs: tuple[int, list[tuple[NetworkCidr, int]]] | None = None
+        self._cidrs: list[tuple[NetworkCidr, int]] | None = None  # (read once per snapshot)
+        # Bumped whenever lookups start reading another snapshot (a renew, a batch opened):
+        # what was validated against the store at one serial holds until the next.
+        self._serial = 0
+        # service key -> its string id, for the services decoded here (the id of a service's
+        # key is fixed while the service exists; every change to it is notified).
+        self._kids: dict[str, int] = {}
         self._memo: dict[Any, Any] = {}  # shared small values for the decoders
         self._subscribers: list[Subscriber] = []
         self._commit_listeners: list[CommitListener] = []
@@ -387,34 +419,60 @@ class State:
         self._rtxn.abort()
         self._rtxn = self._store.env.begin()
         self._cur.clear()
+        self._serial += 1
+        self._cidrs = None
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Apply every change made inside as one transaction: readers and subscribers see all of
-        it at the end, or none of it if anything raised (a full store: :class:`StoreFull`).
-        Batches nest (the outermost commits)."""
+    def batch(self) -> _Batch:
+        """``with state.batch():`` applies every change made inside as one transaction:
+        readers and subscribers see all of it at the end, or none of it if anything raised (a
+        full store: :class:`StoreFull`). Batches nest (the outermost commits)."""
+        return self._batch
+
+    def _begin(self) -> None:
         if not self._store.writer:
             raise StoreError("this State is a read-only view of the shared store")
         if self._depth == 0:
-            self._wtxn = self._store.env.begin(write=True)
+            self._failed = False
+            try:
+                self._wtxn = self._store.env.begin(write=True)
+            except lmdb.Error as e:
+                raise StoreError(f"cannot write to the state store: {e}") from None
             self._cur.clear()
+            self._serial += 1
+            self._cidrs = None
+        elif self._failed:  # (an inner change failed: the transaction can only be aborted)
+            raise StoreFull(self._full_message())
         self._depth += 1
-        try:
-            yield
-        except BaseException:
-            self._depth -= 1
-            if self._depth == 0:
-                self._abort()
-            raise
+
+    def _end(self, exc: BaseException | None) -> None:
         self._depth -= 1
-        if self._depth == 0:
-            self._commit()
+        if isinstance(exc, lmdb.Error):
+            self._failed = True
+        if self._depth:
+            if isinstance(exc, lmdb.Error):
+                raise self._store_error(exc) from None
+            return
+        if exc is not None or self._failed:
+            self._abort()
+            if isinstance(exc, lmdb.Error) or (exc is None and self._failed):
+                raise self._store_error(exc) from None
+            return
+        self._commit()
+
+    def _full_message(self) -> str:
+        return f"the state does not fit in the store ({self._store.map_size() >> 20} MiB)"
+
+    def _store_error(self, exc: BaseException | None) -> StoreError:
+        if exc is None or isinstance(exc, lmdb.MapFullError):
+            return StoreFull(self._full_message())
+        return StoreError(f"the state store failed: {exc}")
 
     def _abort(self) -> None:
         self._wtxn.abort()
         self._wtxn = None
         self._changes = []
-        self._str_delta = {}
+        self._str_delta = Counter()
+        self._str_drop = Counter()
         self._reset_caches()  # (they may hold what the aborted transaction wrote)
         # (The counters stay where the aborted batch left them: ids are never reused.)
         self._renew()
@@ -424,11 +482,9 @@ class State:
         try:
             self._apply_string_refs()
             txn.commit()
-        except lmdb.MapFullError:
+        except lmdb.Error as e:
             self._abort()
-            raise StoreFull(
-                f"the state does not fit in the store ({self._store.map_size() >> 20} MiB)"
-            ) from None
+            raise self._store_error(e) from None
         except BaseException:
             self._abort()
             raise
@@ -455,11 +511,13 @@ class State:
     def _changed(self, changes: list[StateChange], *, invalidate: bool = True) -> None:
         if invalidate:
             wls, svcs, pols = self._wls, self._svcs, self._pols
+            kids = self._kids
             for ch in changes:
                 if ch.kind is ChangeKind.WORKLOAD:
                     wls.pop(ch.ref, None)
                 elif ch.kind is ChangeKind.SERVICE:
                     svcs.pop(ch.ref, None)
+                    kids.pop(ch.key, None)
                 else:
                     pols.pop(ch.key, None)
         self._generation += len(changes)
@@ -474,6 +532,7 @@ class State:
     def _reset_caches(self) -> None:
         self._wls.clear()
         self._svcs.clear()
+        self._kids.clear()
         self._pols.clear()
         self._picks.clear()
         self._cidrs = None
@@ -536,7 +595,8 @@ class State:
         return i
 
     def _intern(self, s: str) -> int:
-        """The id of ``s``, adding it if needed; counts one reference (applied at commit)."""
+        """The id of ``s``, adding it if needed (no reference counted: whoever stores a record
+        counts the ids it holds, :meth:`_hold`)."""
         if not s:
             return 0
         i = self._ids.get(s)
@@ -548,23 +608,26 @@ class State:
                 self._c("strid").put(_skey(s), pack_i(i) + pack_i(0))
                 self._c("str").put(pack_i(i), s.encode())
                 self._ids[s] = i
-        delta = self._str_delta
-        delta[i] = delta.get(i, 0) + 1
         return i
 
+    def _hold(self, ids: Iterable[int]) -> None:
+        self._str_delta.update(ids)
+
     def _release(self, ids: Iterable[int]) -> None:
-        delta = self._str_delta
-        for i in ids:
-            if i:
-                delta[i] = delta.get(i, 0) - 1
+        self._str_drop.update(ids)
 
     def _apply_string_refs(self) -> None:
         """At commit: the reference counts of the strings the batch touched; a string nothing
         refers to any more leaves the table (its id is never reused)."""
-        if not self._str_delta:
+        delta = self._str_delta
+        delta.subtract(self._str_drop)
+        self._str_drop = Counter()
+        self._str_delta = Counter()
+        delta.pop(0, None)
+        if not delta:
             return
         c_id, c_str = self._c("strid"), self._c("str")
-        for i, d in self._str_delta.items():
+        for i, d in delta.items():
             raw_s = c_str.get(pack_i(i))
             if raw_s is None:
                 continue
@@ -582,7 +645,6 @@ class State:
                 self._strs.pop(i, None)
             elif d:
                 c_id.put(k, pack_i(i) + pack_i(refs))
-        self._str_delta = {}
 
     def _next(self, name: str) -> int:
         n = self._counters[name] + 1
@@ -613,20 +675,21 @@ class State:
         _check_name("workload hostname", w.hostname)
         for key in w.services:
             _check_name("service key", key)
-        with self.batch():
+        with self._batch:
             wid = self._wid(w.uid)
             c = self._c("wl")
             if wid is not None:
                 raw = c.get(pack_q(wid))
                 assert raw is not None
                 old = marshal.loads(raw[8:])
-                self._unindex_workload(old, unpack_q(raw)[0])
+                self._unindex_workload(old, wid, unpack_q(raw)[0])
                 self._release(workload_ids(old))
             else:
                 wid = self._next("wid")
                 self._c("wluid").put(_skey(w.uid), pack_q(wid))
             seq = self._next("seq")
             t = workload_tuple(w, self._intern)
+            self._hold(workload_ids(t))
             c.put(pack_q(wid), pack_q(seq) + marshal.dumps(t))
             self._index_workload(t, wid, seq)
             if len(self._wls) >= _CACHE_WORKLOADS:
@@ -637,7 +700,7 @@ class State:
     def remove_workload(self, uid: str) -> Workload | None:
         if len(uid.encode()) > MAX_NAME_BYTES:
             return None
-        with self.batch():
+        with self._batch:
             wid = self._wid(uid)
             if wid is None:
                 return None
@@ -646,7 +709,7 @@ class State:
             assert raw is not None
             t = marshal.loads(raw[8:])
             old = self._wls.pop(wid, None) or workload_from_tuple(t, self._str, self._memo)
-            self._unindex_workload(t, unpack_q(raw)[0])
+            self._unindex_workload(t, wid, unpack_q(raw)[0])
             self._release(workload_ids(t))
             if c.set_key(pack_q(wid)):
                 c.delete()
@@ -655,41 +718,45 @@ class State:
             return old
 
     @staticmethod
-    def _workload_keys(t: tuple[Any, ...], seq: int) -> list[tuple[str, bytes]]:
-        """Every index entry of a workload record (database, key), from its string ids."""
-        s = pack_q(seq)
+    def _workload_keys(t: tuple[Any, ...]) -> list[tuple[str, bytes]]:
+        """The keys of a workload record in the list-valued indexes (database, key): each
+        holds the ids of the workloads with that key, in upsert order."""
         ns = pack_i(t[W_NS])
         out = []
         # Host-network workloads share the node IP: indexing it would shadow the node (Rust
         # skips them too).
         if t[W_NETMODE] != _HOST_NETWORK:
             net = t[W_NETWORK]
-            out += [("addr", ip_key(net, packed) + s) for packed in t[W_ADDRS]]
-        out.append(("info", ns + _lp(t[W_NAME]) + s))
-        out.append(("ident", ns + pack_i(t[W_SA]) + pack_i(t[W_NODE]) + s))
+            out += [("addr", ip_key(net, packed)) for packed in t[W_ADDRS]]
+        out.append(("info", ns + _lp(t[W_NAME])))
         if t[W_HOSTNAME]:
-            out.append(("wlhost", pack_i(t[W_HOSTNAME]) + s))
+            out.append(("wlhost", pack_i(t[W_HOSTNAME])))
         return out
 
     def _index_workload(self, t: tuple[Any, ...], wid: int, seq: int) -> None:
         value = pack_q(wid)
-        for db, k in self._workload_keys(t, seq):
-            self._c(db).put(k, value)
+        for db, k in self._workload_keys(t):
+            _list_add(self._c(db), k, value)
+        s = pack_q(seq)
+        self._c("ident").put(pack_i(t[W_NS]) + pack_i(t[W_SA]) + pack_i(t[W_NODE]) + s, value)
         services = t[W_SERVICES]
         if services:
-            ep, epver, s = self._c("ep"), self._c("epver"), pack_q(seq)
+            ep, epver = self._c("ep"), self._c("epver")
             for kid, ports in services:
                 ep.put(pack_i(kid) + s, value + _summary(t, ports))
                 self._bump(epver, pack_i(kid))
 
-    def _unindex_workload(self, t: tuple[Any, ...], seq: int) -> None:
-        for db, k in self._workload_keys(t, seq):
-            c = self._c(db)
-            if c.set_key(k):
-                c.delete()
+    def _unindex_workload(self, t: tuple[Any, ...], wid: int, seq: int) -> None:
+        value = pack_q(wid)
+        for db, k in self._workload_keys(t):
+            _list_remove(self._c(db), k, value)
+        s = pack_q(seq)
+        c = self._c("ident")
+        if c.set_key(pack_i(t[W_NS]) + pack_i(t[W_SA]) + pack_i(t[W_NODE]) + s):
+            c.delete()
         services = t[W_SERVICES]
         if services:
-            ep, epver, s = self._c("ep"), self._c("epver"), pack_q(seq)
+            ep, epver = self._c("ep"), self._c("epver")
             for kid, _ in services:
                 if ep.set_key(pack_i(kid) + s):
                     ep.delete()
@@ -700,8 +767,13 @@ class State:
         raw = cursor.get(key)
         cursor.put(key, pack_q((unpack_q(raw)[0] if raw else 0) + 1))
 
-    def _scan_wids(self, db: str, prefix: bytes) -> list[int]:
-        return [unpack_q(v)[0] for _, v in prefix_scan(self._c(db), prefix)]
+    def _wids_at(self, db: str, key: bytes) -> list[int]:
+        raw = self._c(db).get(key)
+        if raw is None:
+            return []
+        if len(raw) == 8:
+            return [unpack_q(raw)[0]]
+        return [unpack_q(raw, i)[0] for i in range(0, len(raw), 8)]
 
     def find_workload_by_uid(self, uid: str) -> Workload | None:
         if len(uid.encode()) > MAX_NAME_BYTES:
@@ -714,7 +786,7 @@ class State:
         net = self._id(addr.network)
         if net is None:
             return None
-        wids = self._scan_wids("addr", ip_key(net, addr.address.packed))
+        wids = self._wids_at("addr", ip_key(net, addr.address.packed))
         if not wids:
             return None
         if len(wids) == 1:
@@ -740,7 +812,7 @@ class State:
         ns = self._id(namespace)
         if ns is None or len(name.encode()) > MAX_NAME_BYTES:
             return None
-        for wid in self._scan_wids("info", pack_i(ns) + _lp(name)):
+        for wid in self._wids_at("info", pack_i(ns) + _lp(name)):
             w = self._workload(wid)
             if (
                 w is not None
@@ -796,7 +868,7 @@ class State:
         hid = self._id(hostname) if hostname else None
         if hid is None:
             return None
-        for wid in self._scan_wids("wlhost", pack_i(hid)):
+        for wid in self._wids_at("wlhost", pack_i(hid)):
             w = self._workload(wid)
             if w is not None and (namespace is None or w.namespace == namespace):
                 return w
@@ -834,14 +906,23 @@ class State:
             s = decode_service(raw[8:], self._str)
             if len(self._svcs) >= _CACHE_SERVICES:
                 self._svcs.clear()
+                self._kids.clear()
             self._svcs[kid] = s
+            self._kids[s.key] = kid
         return s
+
+    def _kid(self, key: str) -> int | None:
+        """The id of a service key (cached for the services decoded here)."""
+        kid = self._kids.get(key)
+        if kid is None and len(key.encode()) <= MAX_NAME_BYTES:
+            kid = self._id(key)
+        return kid
 
     def upsert_service(self, s: Service) -> None:
         key = s.key
         _check_name("service key", key)
         _check_name("service hostname", s.hostname)
-        with self.batch():
+        with self._batch:
             c = self._c("svc")
             kid = self._id(key)
             if kid is not None:
@@ -854,17 +935,20 @@ class State:
             kid = self._intern(key)
             seq = self._next("seq")
             t = service_tuple(s, self._intern)
+            self._hold(service_ids(t))
+            self._hold((kid,))
             c.put(pack_i(kid), pack_q(seq) + marshal.dumps(t))
             self._index_service(t, kid)
             if len(self._svcs) >= _CACHE_SERVICES:
                 self._svcs.clear()
             self._svcs[kid] = s
+            self._kids[key] = kid
             self._changes.append(StateChange(ChangeKind.SERVICE, key, False, kid))
 
     def remove_service(self, key: str) -> Service | None:
         if len(key.encode()) > MAX_NAME_BYTES:
             return None
-        with self.batch():
+        with self._batch:
             kid = self._id(key)
             if kid is None:
                 return None
@@ -874,6 +958,7 @@ class State:
                 return None
             t = marshal.loads(raw[8:])
             old = self._svcs.pop(kid, None) or service_from_tuple(t, self._str)
+            self._kids.pop(key, None)
             if c.set_key(pack_i(kid)):
                 c.delete()
             self._unindex_service(t, kid)
@@ -883,52 +968,52 @@ class State:
             return old
 
     @staticmethod
-    def _slots(t: tuple[Any, ...]) -> list[tuple[str, str, bytes, bytes]]:
-        """(index, slot index, index prefix, slot key) of each VIP and the hostname of a
-        service record: one slot per namespace, as Rust ServiceStore keeps them (a list
-        replaced per namespace)."""
-        ns = pack_i(t[_S_NS])
-        out = []
-        for net, packed in t[_S_VIPS]:
-            ipk = ip_key(net, packed)
-            out.append(("vip", "vipslot", ipk, ipk + ns))
-        host = pack_i(t[_S_HOSTNAME])
-        out.append(("host", "hostslot", host, host + ns))
+    def _slot_keys(t: tuple[Any, ...]) -> list[tuple[str, bytes]]:
+        """The keys of a service record in the VIP and hostname indexes: each holds one slot
+        per namespace, (namespace id, service key id), in insertion order, as Rust's
+        ServiceStore keeps them (a list replaced per namespace)."""
+        out = [("vip", ip_key(net, packed)) for net, packed in t[_S_VIPS]]
+        out.append(("host", pack_i(t[_S_HOSTNAME])))
         return out
 
     def _index_service(self, t: tuple[Any, ...], kid: int) -> None:
-        value = pack_i(kid)
-        for db, slotdb, prefix, slotkey in self._slots(t):
-            slots = self._c(slotdb)
-            raw = slots.get(slotkey)
-            if raw is None:  # a new slot, last in order
-                raw = pack_q(self._next("seq"))
-                slots.put(slotkey, raw)
-            self._c(db).put(prefix + raw, value)  # (or the namespace's slot, overwritten)
+        ns, value = pack_i(t[_S_NS]), pack_i(kid)
+        for db, key in self._slot_keys(t):
+            c = self._c(db)
+            raw = c.get(key) or b""
+            for i in range(0, len(raw), 8):
+                if raw[i : i + 4] == ns:  # the namespace's slot, overwritten in place
+                    c.put(key, raw[: i + 4] + value + raw[i + 8 :])
+                    break
+            else:
+                c.put(key, raw + ns + value)  # a new slot, last in order
         cidrs = t[_S_CIDRS]
         if cidrs:
             c = self._c("cidr")
             for net, (packed, plen) in cidrs:
                 c.put(pack_q(self._next("seq")), value + pack_i(net) + bytes((plen,)) + packed)
-            self._bump(self._c("meta"), b"cidr_ver")
+            self._cidrs = None
 
     def _unindex_service(self, t: tuple[Any, ...], kid: int) -> None:
-        for db, slotdb, prefix, slotkey in self._slots(t):
+        ns = pack_i(t[_S_NS])
+        for db, key in self._slot_keys(t):
             # Rust ServiceStore::remove drops the namespace's slot, whoever holds it now.
-            slots = self._c(slotdb)
-            raw = slots.get(slotkey)
-            if raw is not None:
-                slots.delete()
-                c = self._c(db)
-                if c.set_key(prefix + raw):
-                    c.delete()
+            c = self._c(db)
+            raw = c.get(key)
+            if raw is None:
+                continue
+            kept = b"".join(raw[i : i + 8] for i in range(0, len(raw), 8) if raw[i : i + 4] != ns)
+            if kept:
+                c.put(key, kept)
+            elif c.set_key(key):
+                c.delete()
         if t[_S_CIDRS]:
             c = self._c("cidr")
             mine = [k for k, v in _everything(c) if unpack_i(v)[0] == kid]
             for k in mine:
                 if c.set_key(k):
                     c.delete()
-            self._bump(self._c("meta"), b"cidr_ver")
+            self._cidrs = None
 
     def find_service(self, key: str) -> Service | None:
         """Exact lookup by ``"ns/hostname"``."""
@@ -937,10 +1022,14 @@ class State:
         kid = self._id(key)
         return None if kid is None else self._service(kid)
 
-    def _services_at(self, db: str, prefix: bytes) -> list[Service]:
+    def _services_at(self, db: str, key: bytes) -> list[Service]:
+        """The services in the slots of ``key`` (a VIP or a hostname), in slot order."""
+        raw = self._c(db).get(key)
+        if raw is None:
+            return []
         out = []
-        for _, v in prefix_scan(self._c(db), prefix):
-            svc = self._service(unpack_i(v)[0])
+        for i in range(4, len(raw), 8):
+            svc = self._service(unpack_i(raw, i)[0])
             if svc is not None:
                 out.append(svc)
         return out
@@ -974,11 +1063,9 @@ class State:
         return None
 
     def _cidr_list(self) -> list[tuple[NetworkCidr, int]]:
-        """The CIDR VIPs, in insertion order (few: read whole, again after they change)."""
-        raw = self._c("meta").get(b"cidr_ver")
-        version = unpack_q(raw)[0] if raw else 0
-        if self._cidrs is not None and self._cidrs[0] == version:
-            return self._cidrs[1]
+        """The CIDR VIPs, in insertion order (few: read whole, once per snapshot)."""
+        if self._cidrs is not None:
+            return self._cidrs
         out: list[tuple[NetworkCidr, int]] = []
         for _, v in _everything(self._c("cidr")):
             kid, net, plen = unpack_i(v)[0], unpack_i(v, 4)[0], v[8]
@@ -989,8 +1076,7 @@ class State:
                 else ipaddress.IPv6Network((packed, plen))
             )
             out.append((NetworkCidr(self._str(net), cidr), kid))
-        if self._wtxn is None:  # (not what an open batch shows)
-            self._cidrs = (version, out)
+        self._cidrs = out
         return out
 
     def _best_by_cidr_vip(
@@ -1191,10 +1277,7 @@ class State:
                 break
         if svc_target is None and not for_waypoint:
             return None
-        key = service.key
-        if len(key.encode()) > MAX_NAME_BYTES:
-            return None
-        kid = self._id(key)
+        kid = self._kid(service.key)
         if kid is None:
             return None
         lb = service.load_balancing
@@ -1214,17 +1297,20 @@ class State:
             )
         else:
             src_key = (source.network,)
-        version = self._c("epver").get(pack_i(kid))
         tkey = (kid, service_port, for_waypoint, svc_target, lb, src_key)
         table = self._picks.get(tkey)
-        if table is None or table.version != version:
-            table = self._pick_table(
-                kid, version, service_port, svc_target, lb, source, for_waypoint
-            )
-            if self._wtxn is None:  # (an open batch's tables would outlive what it shows)
-                if len(self._picks) >= _CACHE_PICKS:
-                    self._picks.clear()
-                self._picks[tkey] = table
+        if table is None or table.serial != self._serial:
+            # (Once per snapshot: is it still the table of the service's endpoints?)
+            version = self._c("epver").get(pack_i(kid))
+            if table is None or table.version != version:
+                table = self._pick_table(
+                    kid, version, service_port, svc_target, lb, source, for_waypoint
+                )
+                if self._wtxn is None:  # (an open batch's tables would outlive what it shows)
+                    if len(self._picks) >= _CACHE_PICKS:
+                        self._picks.clear()
+                    self._picks[tkey] = table
+            table.serial = self._serial
         wid = table.pick(rng if rng is not None else self._rng)
         if wid is None:
             return None
@@ -1335,7 +1421,7 @@ class State:
         key = p.key
         _check_name("policy key", key)
         _check_name("policy namespace", p.namespace)
-        with self.batch():
+        with self._batch:
             c = self._c("pol")
             k = _skey(key)
             raw = c.get(k)
@@ -1353,7 +1439,7 @@ class State:
     def remove_policy(self, key: str) -> Authorization | None:
         if len(key.encode()) > MAX_NAME_BYTES:
             return None
-        with self.batch():
+        with self._batch:
             c = self._c("pol")
             raw = c.get(_skey(key))
             if raw is None:
@@ -1429,13 +1515,18 @@ class State:
 
     def clear(self) -> None:
         """Remove everything, notifying subscribers of each removal."""
-        with self.batch():
+        with self._batch:
             for w in list(self.workloads()):
                 self.remove_workload(w.uid)
             for s in list(self.services()):
                 self.remove_service(s.key)
             for p in list(self.policies()):
                 self.remove_policy(p.key)
+
+    def store_sizes(self) -> dict[str, int]:
+        """Bytes of the store: pages in use, its data file, its limit."""
+        st = self._store
+        return {"used": st.used_bytes(), "file": st.file_bytes(), "limit": st.map_size()}
 
     def counts(self) -> dict[str, int]:
         """How many workloads, services and policies the store holds."""
@@ -1454,13 +1545,13 @@ class State:
         """Inside the batch that applied it: the version of an xDS resource now held."""
         if len(name.encode()) > MAX_NAME_BYTES:
             return
-        with self.batch():
+        with self._batch:
             self._c("ver").put(_lp(type_url) + name.encode(), version.encode())
 
     def drop_version(self, type_url: str, name: str) -> None:
         if len(name.encode()) > MAX_NAME_BYTES:
             return
-        with self.batch():
+        with self._batch:
             c = self._c("ver")
             if c.set_key(_lp(type_url) + name.encode()):
                 c.delete()
@@ -1471,6 +1562,24 @@ class State:
         n = len(prefix)
         for k, v in list(prefix_scan(self._c("ver"), prefix)):
             yield bytes(k[n:]).decode(), bytes(v).decode()
+
+
+def _list_add(cursor: Any, key: bytes, item: bytes) -> None:
+    """Append an 8-byte item to the list held at ``key``."""
+    raw = cursor.get(key)
+    cursor.put(key, item if raw is None else raw + item)
+
+
+def _list_remove(cursor: Any, key: bytes, item: bytes) -> None:
+    """Remove an 8-byte item from the list held at ``key`` (the key goes with the last one)."""
+    raw = cursor.get(key)
+    if raw is None:
+        return
+    kept = b"".join(raw[i : i + 8] for i in range(0, len(raw), 8) if raw[i : i + 8] != item)
+    if kept:
+        cursor.put(key, kept)
+    else:
+        cursor.delete()
 
 
 def _everything(cursor: Any) -> list[tuple[bytes, bytes]]:

@@ -162,6 +162,14 @@ class ZtunnelProcess:
                     pids[int(m[1])] = int(m[2])
         return list(pids.values()) or [self.pid]
 
+    def tree_rss_kib(self) -> int:
+        """VmRSS summed over ztunnel and its workers (pages they share count once each)."""
+        total = 0
+        for pid in {self.pid, *self.data_plane_pids()}:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+                total += next((int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")), 0)
+        return total
+
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM and wait for a graceful exit; returns the exit code (-1 if ztunnel logged an
         internal error, so tests that assert a clean exit also catch those)."""

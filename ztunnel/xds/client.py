@@ -206,6 +206,7 @@ class XdsMetrics:
     nacks: int = 0
     store_errors: int = 0  # responses not applied because the state store refused them
     oversized: int = 0  # messages refused for their size (the stream is then restarted)
+    oversized_resources: int = 0  # resources refused for their size (NACKed alone)
 
 
 def _inc(counter: dict[str, int], key: str, by: int = 1) -> None:
@@ -553,6 +554,7 @@ class AdsClient:
         for res in resp.resources:
             if isinstance(res, TooLargeResource):
                 payload_bytes += res.size
+                self.metrics.oversized_resources += 1
                 rejections.append(
                     Rejection(
                         res.name or "?",

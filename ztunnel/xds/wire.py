@@ -61,8 +61,8 @@ def _varint(data: memoryview, i: int) -> tuple[int, int]:
 
 
 class TooLargeResource:
-    """Stands for a resource over :data:`MAX_RESOURCE_BYTES` (never parsed): its name, if the
-    bytes start with it, for the NACK."""
+    """Stands for a resource over :data:`MAX_RESOURCE_BYTES` (never parsed): its name, for the
+    NACK."""
 
     __slots__ = ("name", "size")
 
@@ -139,24 +139,32 @@ class _Resources:
         data = self._resp._data
         for start, end in self._resp._spans:
             if end - start > MAX_RESOURCE_BYTES:
-                yield TooLargeResource(_leading_name(data[start:end]), end - start)
+                yield TooLargeResource(_resource_name(data[start:end]), end - start)
                 continue
             yield ds.Resource.FromString(data[start:end])
 
 
-def _leading_name(data: memoryview) -> str:
-    """The ``name`` (field 3) of a serialized Resource, if it is among its first fields."""
+def _resource_name(data: memoryview) -> str:
+    """The ``name`` (field 3) of a serialized Resource, found by stepping over its top-level
+    fields (a few, whatever their size: nothing is parsed or copied but the name)."""
     try:
-        i, n = 0, min(len(data), 4096)
+        i, n = 0, len(data)
         while i < n:
             tag, i = _varint(data, i)
             field, wire = tag >> 3, tag & 7
-            if wire != 2:
+            if wire == 2:
+                length, i = _varint(data, i)
+                if field == 3:
+                    return bytes(data[i : i + min(length, 512)]).decode("utf-8", "replace")
+                i += length
+            elif wire == 0:
+                _, i = _varint(data, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            else:
                 return ""
-            length, i = _varint(data, i)
-            if field == 3:
-                return bytes(data[i : i + min(length, 512)]).decode("utf-8", "replace")
-            i += length
     except DecodeError:
         pass
     return ""
