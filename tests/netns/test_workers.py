@@ -169,15 +169,19 @@ def test_a_killed_worker_is_restarted_and_only_its_connections_are_lost(bed: Bed
     echo = start_app(bed.ext, "echo", ports=(9103,))
     socks = _hold(bed, 9103, 20)
     try:
-        rows = {
-            int(str(r["src"]).rsplit(":", 1)[1]): str(r["id"]).split("-")[0]
-            for r in bed.connections()
-            if str(r["dst"]).endswith(":9103")
-        }
         by_port = {s.getsockname()[1]: s for s in socks}
-        # (only ours: a connection of an earlier test may still be closing)
-        rows = {port: owner for port, owner in rows.items() if port in by_port}
-        assert len(rows) == 20
+        rows: dict[int, str] = {}
+
+        def all_listed() -> bool:
+            # (only ours: a connection of an earlier test may still be closing)
+            rows.clear()
+            for r in bed.connections():
+                port = int(str(r["src"]).rsplit(":", 1)[1])
+                if str(r["dst"]).endswith(":9103") and port in by_port:
+                    rows[port] = str(r["id"]).split("-")[0]
+            return len(rows) == 20
+
+        _wait(all_listed)
         opened = metric(bed.metrics(), "istio_tcp_connections_opened_total")
         victim_pid = bed.workers()[0]
         restarts = len(bed.zt.records)

@@ -119,6 +119,10 @@ class SharedStore:
                 metasync=False,
                 readahead=False,
                 meminit=False,
+                # Written in place, in the map: a transaction's dirty pages are the file's own
+                # (shared) pages, not a private copy the size of what it changed. The data file
+                # is sparse, as large as the map, allocated as pages are used.
+                writemap=True,
             )
         except lmdb.Error as e:
             shutil.rmtree(path, ignore_errors=True)
@@ -176,9 +180,9 @@ class SharedStore:
             return 0
 
     def file_bytes(self) -> int:
-        """Bytes the data file holds on disk (its pages in use and free)."""
+        """Bytes the data file takes (its pages in use and free; it is sparse)."""
         try:
-            return os.stat(os.path.join(self.path, "data.mdb")).st_size
+            return os.stat(os.path.join(self.path, "data.mdb")).st_blocks * 512
         except OSError:
             return 0
 
