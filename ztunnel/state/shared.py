@@ -33,6 +33,7 @@ index lists its entries in last-upsert order (the order of the dicts an in-memor
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import struct
@@ -81,6 +82,8 @@ DB_NAMES = (
 
 DEFAULT_MAP_SIZE = 2 << 30  # 2 GiB of address space; the file grows only as pages are used
 PRIVATE_MAP_SIZE = 256 << 20  # a private store (tests, `ztunnel explain`)
+PREFIX = "ztunnel-state-"  # the stores' directories, under the temp dir
+OWNER = "owner.lock"  # flock()ed by the writer for its life
 MAX_READERS = 512
 
 
@@ -103,11 +106,27 @@ class SharedStore:
         self._owned = owned  # remove the directory on close
         self.dbs: dict[str, Any] = {}
         self.closed = False
+        self._owner: int | None = None  # the writer's lock on the directory
 
     @classmethod
     def create(cls, parent: str | None = None, *, map_size: int = DEFAULT_MAP_SIZE) -> SharedStore:
-        """A new empty store in a fresh directory under ``parent`` (default: the temp dir)."""
-        path = tempfile.mkdtemp(prefix="ztunnel-state-", dir=parent)
+        """A new empty store in a fresh directory under ``parent`` (default: the temp dir).
+        Stores left there by writers that are gone (a ztunnel killed, its container restarted:
+        the chart's /tmp is an emptyDir, which outlives the container) are removed first."""
+        parent = parent or tempfile.gettempdir()
+        remove_stale(parent)
+        # Made under a hidden name and renamed once locked: another ztunnel cleaning up never
+        # sees it unowned.
+        tmp = tempfile.mkdtemp(prefix="." + PREFIX, dir=parent)
+        path = os.path.join(parent, os.path.basename(tmp)[1:])
+        try:
+            # Held while the writer lives (an flock goes with the process, however it ends).
+            owner = os.open(os.path.join(tmp, OWNER), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            fcntl.flock(owner, fcntl.LOCK_EX)
+            os.rename(tmp, path)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise StoreError(f"cannot create the state store in {parent}: {e}") from None
         try:
             env = lmdb.open(
                 path,
@@ -125,9 +144,11 @@ class SharedStore:
                 writemap=True,
             )
         except lmdb.Error as e:
+            os.close(owner)
             shutil.rmtree(path, ignore_errors=True)
             raise StoreError(f"cannot create the state store in {path}: {e}") from None
         store = cls(env, path, writer=True, owned=True)
+        store._owner = owner
         with env.begin(write=True) as txn:
             for name in DB_NAMES:
                 store.dbs[name] = env.open_db(name.encode(), txn=txn)
@@ -136,11 +157,15 @@ class SharedStore:
         return store
 
     @classmethod
-    def open(cls, path: str) -> SharedStore:
-        """Map the store at ``path`` (made by :meth:`create` in another process) read-only."""
+    def open(cls, path: str, *, map_size: int = DEFAULT_MAP_SIZE) -> SharedStore:
+        """Map the store at ``path`` (made by :meth:`create` in another process) read-only.
+        ``map_size`` must be the writer's: a reader maps only as much as it is told (LMDB sizes
+        a reader's map by the space used when it opens, not by the writer's limit), and a
+        snapshot past that end would not be readable."""
         try:
             env = lmdb.open(
                 path,
+                map_size=map_size,
                 readonly=True,
                 create=False,
                 max_dbs=len(DB_NAMES) + 1,
@@ -170,6 +195,9 @@ class SharedStore:
             self.env.close()
         if self._owned:
             shutil.rmtree(self.path, ignore_errors=True)
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
 
     def reader_check(self) -> int:
         """Release the reader slots of processes that died (a killed worker's snapshot would
@@ -194,6 +222,36 @@ class SharedStore:
 
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
+
+
+def remove_stale(parent: str) -> list[str]:
+    """Remove the stores under ``parent`` whose writer is gone (nobody holds their lock)."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            fd = os.open(os.path.join(path, OWNER), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None  # (made by an older build, or half made: nobody owns it)
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # alive
+        finally:
+            if fd is not None:
+                os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def prefix_scan(cursor: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:

@@ -86,6 +86,7 @@ from ztunnel.state.records import (
     workload_tuple,
 )
 from ztunnel.state.shared import (
+    DEFAULT_MAP_SIZE,
     PRIVATE_MAP_SIZE,
     SharedStore,
     StoreError,
@@ -387,9 +388,12 @@ class State:
         self.demander: Callable[[str], Awaitable[None]] | None = None
 
     @classmethod
-    def open(cls, path: str, rng: random.Random | None = None) -> State:
-        """A read-only view of the shared store another process writes (a data-plane worker)."""
-        return cls(rng, store=SharedStore.open(path))
+    def open(
+        cls, path: str, *, map_size: int = DEFAULT_MAP_SIZE, rng: random.Random | None = None
+    ) -> State:
+        """A read-only view of the shared store another process writes (a data-plane worker);
+        ``map_size`` is the writer's (ZTUNNEL_STATE_MAX_BYTES)."""
+        return cls(rng, store=SharedStore.open(path, map_size=map_size))
 
     @property
     def store(self) -> SharedStore:
@@ -417,8 +421,13 @@ class State:
     def _renew(self) -> None:
         """Read the newest committed snapshot from now on."""
         self._rtxn.abort()
-        self._rtxn = self._store.env.begin()
         self._cur.clear()
+        env = self._store.env
+        try:
+            self._rtxn = env.begin()
+        except lmdb.MapResizedError:  # (a reader mapped less than the writer now uses)
+            env.set_mapsize(0)
+            self._rtxn = env.begin()
         self._serial += 1
         self._cidrs = None
 

@@ -186,7 +186,7 @@ class Worker:
         from ztunnel.admin.logctl import LogControl
 
         cfg = self.config = msg.config
-        state = self.state = State.open(msg.store)
+        state = self.state = State.open(msg.store, map_size=cfg.state_max_bytes)
         self._log = LogControl(cfg.rust_log)
         if msg.log_spec != cfg.rust_log:
             self._log.change(msg.log_spec, reset=True)
