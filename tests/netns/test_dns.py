@@ -43,6 +43,8 @@ KUBE_DNS4 = (
 )
 KUBE_DNS6 = "fd00:96::a"
 BIG_TXT = ",".join(f'"{c * 200}"' for c in "abcdefgh")  # ~1.6 kB: TC over UDP at 1232
+MANY = 100  # A records of many.example.test upstream, and endpoints of the headless service
+MANY_IPS = [f"10.8.0.{i}" for i in range(MANY)]
 
 
 def pod_resolv(ns: str, server: str = KUBE_DNS4, extra: str = "") -> str:
@@ -106,6 +108,7 @@ class Bed:
 def parse_dig(out: str) -> dict[str, object]:
     status = re.search(r"status: (\w+)", out)
     flags = re.search(r";; flags: ([a-z ]+);", out)
+    size = re.search(r";; MSG SIZE\s+rcvd: (\d+)", out)
     answers = []
     section = False
     for line in out.splitlines():
@@ -120,6 +123,7 @@ def parse_dig(out: str) -> dict[str, object]:
         "status": status.group(1) if status else None,
         "flags": flags.group(1).split() if flags else [],
         "answers": answers,
+        "size": int(size.group(1)) if size else None,
         "raw": out,
     }
 
@@ -139,6 +143,7 @@ def start_upstream(host: External, log_path: str) -> NsProcess:
         "--local=/cluster.local/",
         "--host-record=web.example.test,10.9.9.9,fd00:9::9",
         f"--txt-record=big.example.test,{BIG_TXT}",
+        *(f"--host-record=many.example.test,{ip}" for ip in MANY_IPS),
         log=log_path,
     )
 
@@ -350,6 +355,76 @@ def test_truncated_upstream_answers_are_retried_over_tcp(bed: Bed) -> None:
     # a client whose UDP limit is 512 gets TC and retries over TCP itself (dig does)
     small = bed.dig(bed.c1, f"@{KUBE_DNS4}", "+bufsize=512", "TXT", "big.example.test")
     assert small["status"] == "NOERROR" and "Truncated, retrying in TCP mode" in small["raw"]  # type: ignore[operator]
+
+
+def fits(question_name: str, edns: bool, limit: int) -> int:
+    """How many A records (16 bytes each, the owner a pointer) fit in ``limit`` bytes after the
+    header (12) and the question (the name + 4), and an OPT record (11) for an EDNS client."""
+    qlen = len(question_name.strip(".")) + 2 + 4
+    return (limit - 12 - qlen - (11 if edns else 0)) // 16
+
+
+@pytest.mark.parametrize("source", ["forwarded", "state"])
+def test_large_udp_answers_keep_the_records_that_fit_with_tc(bed: Bed, source: str) -> None:
+    # hickory emit_message_parts (Rust server.rs large_response): as many records as fit the
+    # client's payload size (512 without EDNS, else its EDNS size), TC set; TCP gets them all.
+    # Forwarded (dnsmasq has MANY records) and from state (a headless service with MANY
+    # endpoints).
+    if source == "state":
+        name = "many.ns1.svc.cluster.local"
+        eps = [
+            Workload(
+                uid=f"cluster1//v1/Pod/ns1/ep{i}",
+                name=f"ep{i}",
+                namespace="ns1",
+                addresses=(parse_ip(ip),),
+                services={f"ns1/{name}": {80: 8080}},
+            )
+            for i, ip in enumerate(MANY_IPS)
+        ]
+        bed.push(svc("many", "ns1"), *eps)  # no VIP: headless
+        wait_answer(bed, bed.c1, name)
+    else:
+        name = "many.example.test"
+    try:
+        for args, edns, limit in (
+            (("+noedns",), False, 512),
+            (("+bufsize=1232",), True, 1232),
+            (("+bufsize=700", "+nocookie"), True, 700),
+        ):
+            r = bed.dig(bed.c1, f"@{KUBE_DNS4}", "+ignore", *args, name)
+            assert r["status"] == "NOERROR" and "tc" in r["flags"], r["raw"]  # type: ignore[operator]
+            got = ips_of(r)
+            assert len(got) == fits(name, edns, limit), r["raw"]
+            assert set(got) <= set(MANY_IPS)
+            assert r["size"] is not None and r["size"] <= limit  # type: ignore[operator]
+            assert ("OPT PSEUDOSECTION" in r["raw"]) is edns  # type: ignore[operator]
+        whole = bed.dig(bed.c1, "+tcp", f"@{KUBE_DNS4}", name)
+        assert "tc" not in whole["flags"] and ips_of(whole) == sorted(MANY_IPS), whole["raw"]  # type: ignore[operator]
+        # and a client that retries does so over TCP and gets them all
+        retried = bed.dig(bed.c1, f"@{KUBE_DNS4}", "+noedns", name)
+        assert "Truncated, retrying in TCP mode" in retried["raw"]  # type: ignore[operator]
+        assert ips_of(retried) == sorted(MANY_IPS)
+    finally:
+        if source == "state":
+            bed.remove(f"ns1/{name}", *(f"cluster1//v1/Pod/ns1/ep{i}" for i in range(MANY)))
+
+
+def test_forwarded_answers_are_not_authoritative(bed: Bed) -> None:
+    # dnsmasq answers its own records authoritatively; through ztunnel AA is cleared, as Rust's
+    # forwarder (Response from a lookup: is_authoritative false); answers from state keep it.
+    direct = parse_dig(
+        bed.upstream.run("dig", f"@{bed.upstream.ip4}", "web.example.test", check=False).stdout
+    )
+    assert "aa" in direct["flags"], direct["raw"]  # type: ignore[operator]
+    for args in ((), ("+tcp",), ("+noedns",)):
+        r = bed.dig(bed.c1, f"@{KUBE_DNS4}", *args, "web.example.test")
+        assert ips_of(r) == ["10.9.9.9"], r["raw"]
+        assert "aa" not in r["flags"] and "ra" in r["flags"], r["raw"]  # type: ignore[operator]
+    nx = bed.dig(bed.c1, f"@{KUBE_DNS4}", "nope.example.test")
+    assert nx["status"] == "NXDOMAIN" and "aa" not in nx["flags"], nx["raw"]  # type: ignore[operator]
+    ours = bed.dig(bed.c1, f"@{KUBE_DNS4}", "productpage")
+    assert "aa" in ours["flags"], ours["raw"]  # type: ignore[operator]
 
 
 def test_upstream_down_gives_servfail_in_bounded_time(bed: Bed) -> None:
