@@ -27,7 +27,7 @@ from ztunnel.core.addr import parse_ip
 from ztunnel.inpod.protocol import WorkloadInfo
 from ztunnel.state.model import NetworkAddress, Service, ServicePort, TunnelProtocol, Workload
 from ztunnel.testing.apps import listen_in, socket_in, start_dnsmasq
-from ztunnel.testing.netns import External, NsProcess, Pod, Testbed
+from ztunnel.testing.netns import External, Node, NsProcess, Pod, Testbed
 from ztunnel.testing.nodeagent import FakeNodeAgent
 from ztunnel.testing.proc import ZtunnelProcess
 from ztunnel.testing.xdsbed import ISTIOD_PORT, TOKEN, IstiodThread, http_get, metric
@@ -747,3 +747,100 @@ def test_ipv6_upstream(bed: Bed) -> None:
         with open(bed.node_resolv, "w") as f:
             f.write(f"nameserver {bed.upstream.ip4}\n")
         time.sleep(1.2)
+
+
+# --- ENABLE_PROXY=false: the DNS proxy alone -------------------------------------------------------
+
+
+def listens_on(pod: Pod, port: int) -> bool:
+    return bool(pod.run("ss", "-Hlnt", f"sport = :{port}", check=False).stdout.strip())
+
+
+@pytest.mark.parametrize("mode", ["shared", "dedicated"])
+def test_dns_only_mode_answers_from_state_after_the_first_sync(mode: str) -> None:
+    """Rust app.rs / proxyfactory.rs with ``proxy: false``: each pod (shared) or the workload
+    (dedicated) gets its DNS server and no Proxy, so nothing listens on 15001/15006/15008. It
+    serves only once xDS has synced: istiod answers 3 s late; a query sent meanwhile is answered
+    from state afterwards (dedicated: it waits in the bound socket) or finds no server yet
+    (shared: the node agent's pods are taken after the sync)."""
+    delay = 3.0
+    with Testbed() as tb, tempfile.TemporaryDirectory() as tmp:
+        n1 = tb.add_node("n1")
+        istiod_host = tb.add_external("istiod")
+        c1 = n1.add_pod("c1")
+        sock = listen_in(istiod_host, ISTIOD_PORT, host="0.0.0.0")
+        istiod = IstiodThread(tls=False, accept_tokens=[TOKEN])
+        agent: FakeNodeAgent | None = None
+        env = {
+            "PROXY_MODE": mode,
+            "ENABLE_PROXY": "false",
+            "NODE_NAME": "n1",
+            "XDS_ADDRESS": f"http://{istiod_host.ip4}:{ISTIOD_PORT}",
+            "AUTH_TOKEN": TOKEN,
+            "ZTUNNEL_LOCAL_CA_DIR": os.path.join(tmp, "ca"),
+            "CONNECTION_TERMINATION_DEADLINE": "1s",
+        }
+        if mode == "shared":
+            agent = FakeNodeAgent(os.path.join(tmp, "n1.sock"), dns_capture=True).start()
+            agent.put_pod("uid-c1", WorkloadInfo("c1", "ns1", "default"), c1)
+            env["INPOD_UDS"] = agent.path
+            where: Pod | Node = n1
+        else:
+            c1.install_inpod_rules(dns_capture=True)
+            # (its xDS connection is ztunnel's own: not captured, as a deployment excludes it)
+            c1.run(
+                "iptables", "-t", "nat", "-I", "ISTIO_OUTPUT", "1", "-d", istiod_host.ip4,
+                "-j", "ACCEPT",
+            )  # fmt: skip
+            env["PROXY_WORKLOAD_INFO"] = "ns1/c1/default"
+            where = c1
+        zt: ZtunnelProcess | None = None
+        try:
+            istiod.call(
+                istiod.istiod.set_addresses,
+                workload(c1, "ns1"),
+                svc("productpage", "ns1", "10.96.1.1"),
+            )
+            istiod.istiod.response_delay = delay
+            istiod.start(sock)
+            zt = ZtunnelProcess(where, env).start()
+            t0 = time.monotonic()
+            early = c1.run(
+                "dig", "+time=10", "+tries=1", f"@{KUBE_DNS4}", "productpage", check=False,
+                timeout=20,
+            )  # fmt: skip
+            took = time.monotonic() - t0
+            got = parse_dig(early.stdout)
+            if mode == "dedicated":
+                # bound at start, read only once synced: answered from state, after the sync
+                assert ips_of(got) == ["10.96.1.1"], got["raw"]
+                assert took >= delay - 1, took
+            else:
+                # no pod taken from the node agent before the sync: nothing on 15053 yet
+                assert not got["answers"], got["raw"]
+                assert agent is not None
+                agent.wait_for_snapshot(timeout=20)
+            zt.wait_for(lambda r: r.get("message") == "xDS: initial sync complete", 20)
+            deadline = time.monotonic() + 10
+            while True:
+                r = parse_dig(
+                    c1.run("dig", "+time=2", f"@{KUBE_DNS4}", "productpage", check=False).stdout
+                )
+                if r["answers"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert ips_of(r) == ["10.96.1.1"] and "aa" in r["flags"], r["raw"]  # type: ignore[operator]
+            tcp = parse_dig(c1.run("dig", "+tcp", f"@{KUBE_DNS4}", "productpage").stdout)
+            assert ips_of(tcp) == ["10.96.1.1"], tcp["raw"]
+            assert listens_on_15053(c1)
+            for port in (15001, 15006, 15008):
+                assert not listens_on(c1, port), port
+            assert http_get(n1 if mode == "shared" else c1, 15021, "/healthz/ready")[0] == 200
+        finally:
+            rc = zt.stop() if zt is not None else 0
+            errors = zt.internal_errors() if zt is not None else []
+            if agent is not None:
+                agent.close()
+            istiod.close()
+            sock.close()
+        assert rc == 0 and not errors, errors
