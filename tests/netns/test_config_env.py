@@ -134,12 +134,9 @@ def test_dedicated_mode_dials_without_net_admin(bed: tuple[Testbed, Pod, Externa
     finally:
         assert zt.stop() == 0, zt.internal_errors()
 
-
-def test_a_mark_needs_the_capability(bed: tuple[Testbed, Pod, External]) -> None:
-    # The same without the capabilities but with PACKET_MARK set (what dedicated mode did by
-    # default before): every dial fails at setsockopt(SO_MARK), as it would in Rust. (The DNS
-    # proxy is off: its marked UDP listener could not even be bound, so start-up would fail.)
-    _tb, server, ext = bed
+    # The control: the same with PACKET_MARK set (what dedicated mode did by default before):
+    # the dial fails at setsockopt(SO_MARK), as it would in Rust. (The DNS proxy is off: its
+    # marked UDP listener could not even be bound, so start-up would fail.)
     env = dedicated_env(server, PACKET_MARK="1337", ISTIO_META_DNS_CAPTURE="false")
     zt = ZtunnelProcess(server, env, prefix=NO_NET_CAPS).start()
     try:
