@@ -155,6 +155,8 @@ class App:
     async def start(self) -> None:
         cfg = self.config
         log.info("ztunnel %s starting, mode=%s", __version__, cfg.proxy_mode.value)
+        if not cfg.enable_proxy:  # (ProxyInstance binds its DNS companion alone)
+            log.info("ENABLE_PROXY=false: no proxy listeners, the DNS proxy only")
         log.info("effective config: %s", cfg.summary())
         proxy_ready = self.readiness.register("proxy")
         self.load_local_config()

@@ -15,6 +15,7 @@ import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,11 @@ MiB = 1 << 20
 
 
 class ConfigError(ValueError):
-    """A bad environment value: names the variable and says why."""
+    """A bad environment value: names the variable and says why. ``message`` replaces the
+    default ``"<var>: <reason>"`` text where Rust's own wording names the key."""
 
-    def __init__(self, var: str, reason: str) -> None:
-        super().__init__(f"{var}: {reason}")
+    def __init__(self, var: str, reason: str, *, message: str | None = None) -> None:
+        super().__init__(message or f"{var}: {reason}")
         self.var = var
         self.reason = reason
 
@@ -86,8 +88,22 @@ class WorkloadInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthToken:
+    """The bearer token for istiod (Rust ``identity::AuthSource``): a token file, read again for
+    every new connection (``Token``), or the value of ``AUTH_TOKEN`` itself (``StaticToken``)."""
+
+    path: Path | None = None
+    value: str | None = None
+
+    def __str__(self) -> str:  # (never the token itself: this reaches logs and config_dump)
+        return str(self.path) if self.path is not None else "<static token>"
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     proxy_mode: ProxyMode = ProxyMode.SHARED
+    # ENABLE_PROXY (Rust ``proxy``): false runs the DNS proxy alone, no 15001/15006/15008.
+    enable_proxy: bool = True
     proxy_workload_info: WorkloadInfo | None = None
 
     # Identity and placement
@@ -107,7 +123,7 @@ class Config:
     xds_address: str | None = None  # None: no xDS
     xds_root_ca: str = DEFAULT_ROOT_CA
     alt_xds_hostname: str | None = None
-    auth_token: str = DEFAULT_AUTH_TOKEN
+    auth_token: AuthToken | None = None  # None: no token (Rust AuthSource::None)
     xds_headers: tuple[tuple[str, str], ...] = ()
     xds_on_demand: bool = False
 
@@ -120,7 +136,8 @@ class Config:
     secret_ttl: timedelta = timedelta(hours=24)
     local_ca_dir: Path | None = None  # ZTUNNEL_LOCAL_CA_DIR: share one local root between processes
 
-    # Data plane
+    # Data plane. PACKET_MARK defaults to 1337 in shared mode only (Rust config.rs); None: no
+    # SO_MARK (so dedicated mode needs no CAP_NET_ADMIN/CAP_NET_RAW). 0 also means none here.
     packet_mark: int | None = DEFAULT_INPOD_MARK
     ipv6_enabled: bool = True
     enable_orig_src: bool | None = None  # None: best effort
@@ -202,6 +219,8 @@ class Config:
         for k, v in asdict(self).items():
             if k == "local_xds" and v is not None:
                 v = f"<{len(v)} bytes inline>"
+            elif k == "auth_token":
+                v = None if self.auth_token is None else str(self.auth_token)
             out[k] = _jsonable(v)
         return out
 
@@ -224,28 +243,144 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-# --- value parsers ------------------------------------------------------------------------------
+# --- value parsers: Rust's FromStr rules (src/config.rs parse, parse_default, parse_duration) ----
+#
+# Rust reads a variable with ``env::var`` and, when it is set (even to ""), parses it with the
+# type's ``FromStr``: a bad value, the empty string included, is an error naming the variable.
+# These functions are those ``FromStr`` rules; each raises ValueError with Rust's message.
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|ns|s|m|h|d)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+def rust_bool(text: str) -> bool:
+    """``bool::from_str``: exactly ``true`` or ``false``."""
+    if text == "true":
+        return True
+    if text == "false":
+        return False
+    raise ValueError("provided string was not `true` or `false`")
+
+
+def rust_uint(text: str, bits: int) -> int:
+    """``u16``/``u32``/``u64::from_str``: decimal ASCII digits, an optional leading ``+``,
+    nothing else (no spaces, ``_``, ``0x`` or sign ``-``)."""
+    if not text:
+        raise ValueError("cannot parse integer from empty string")
+    digits = text[1:] if text[0] == "+" else text
+    if not digits or not all("0" <= c <= "9" for c in digits):
+        raise ValueError("invalid digit found in string")
+    n = int(digits)
+    if n >= 1 << bits:
+        raise ValueError("number too large to fit in target type")
+    return n
+
+
+_RUST_FLOAT = re.compile(
+    r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|inf|infinity|nan)", re.IGNORECASE | re.ASCII
+)
+
+
+def rust_f64(text: str) -> float:
+    """``f64::from_str``: ``1``, ``1.5``, ``.5``, ``5.``, ``1e3``, ``inf``, ``NaN``; no spaces or
+    ``_`` (which Python's ``float`` accepts)."""
+    if not text:
+        raise ValueError("cannot parse float from empty string")
+    if not _RUST_FLOAT.fullmatch(text):
+        raise ValueError("invalid float literal")
+    return float(text)
+
+
+_NS = {
+    "y": 365 * 86400 * 10**9,
+    "mon": 30 * 86400 * 10**9,
+    "w": 7 * 86400 * 10**9,
+    "d": 86400 * 10**9,
+    "h": 3600 * 10**9,
+    "m": 60 * 10**9,
+    "s": 10**9,
+    "ms": 10**6,
+    "us": 10**3,
+    "ns": 1,
+}
+_UNIT_NAMES = {
+    **{n: "y" for n in ("y", "year", "years")},
+    **{n: "mon" for n in ("mon", "month", "months")},
+    **{n: "w" for n in ("w", "week", "weeks")},
+    **{n: "d" for n in ("d", "day", "days")},
+    **{n: "h" for n in ("h", "hr", "hour", "hours")},
+    **{n: "m" for n in ("m", "min", "minute", "minutes")},
+    **{n: "s" for n in ("s", "sec", "second", "seconds")},
+    **{n: "ms" for n in ("ms", "msec", "millisecond", "milliseconds")},
+    **{
+        n: "us"
+        for n in ("µs", "µsec", "µsecond", "us", "usec", "usecond", "microsecond", "microseconds")
+    },
+    **{n: "ns" for n in ("ns", "nsec", "nanosecond", "nanoseconds")},
+}
+_U64 = (1 << 64) - 1
+_DURATION_TERM = re.compile(r"[ \t\r\n]*([0-9]+)[ \t\r\n]*([A-Za-zµ]*)[ \t\r\n]*")
 
 
 def parse_duration(text: str) -> timedelta:
-    """Parse ``500ms``, ``5s``, ``1h30m``, ``24h`` (the Rust ``duration_str`` forms) or bare seconds."""
-    t = text.strip().replace(" ", "")
-    if not t:
-        raise ValueError("empty duration")
-    if re.fullmatch(r"\d+(\.\d+)?", t):
-        return timedelta(seconds=float(t))
-    pos, total = 0, 0.0
-    for m in _DURATION_PART.finditer(t):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    """Rust ``duration_str::parse`` (0.21, what ``parse_duration`` uses): whole numbers with a
+    unit (``y mon w d h m s ms us ns`` and their long names, any case; none means seconds),
+    joined by nothing (``1m30s``), by ``+``, or by ``*`` (a product, in seconds), never both;
+    spaces anywhere between terms. No fractions, no signs; at most 2^64-1 ns."""
+    if not text:
+        raise ValueError("Empty input")
+    pos, terms = 0, list[tuple[str, int]]()  # (joiner, ns); the first term's joiner is ""
+    while pos < len(text):
+        joiner = ""
+        if terms:
+            rest = text[pos:].lstrip(" \t\r\n")
+            if not rest:
+                break
+            pos = len(text) - len(rest)
+            if rest[0] in "+*":
+                joiner = rest[0]
+                pos += 1
+            elif not rest[0].isascii() or not rest[0].isdigit():
+                raise ValueError(f"invalid duration {text!r}: expected one of [+, *] at {rest!r}")
+            else:
+                joiner = "+"
+        m = _DURATION_TERM.match(text, pos)
+        if m is None:
+            raise ValueError(f"invalid duration {text!r}: expected a number at {text[pos:]!r}")
+        value, unit = int(m.group(1)), m.group(2)
+        if unit:
+            name = _UNIT_NAMES.get(unit.lower())
+            if name is None:
+                raise ValueError(
+                    f"invalid duration {text!r}: expect one of [y, mon, w, d, h, m, s, ms, µs, "
+                    f"us, ns], but find: {unit.lower()}"
+                )
+        else:
+            name = "s"
+            nxt = m.end()
+            if nxt < len(text) and text[nxt] not in "+*":
+                raise ValueError(f"invalid duration {text!r}: expected a unit at {text[nxt:]!r}")
+        if value > _U64:
+            raise ValueError("number too large to fit in target type")
+        ns = value * _NS[name]
+        if ns > _U64:
+            raise ValueError("overflow error")
+        terms.append((joiner, ns))
         pos = m.end()
-    if pos != len(t):
-        raise ValueError(f"invalid duration {text!r} (want e.g. 500ms, 5s, 1h30m)")
-    return timedelta(seconds=total)
+    first, tail = terms[0][1], terms[1:]
+    if not tail:
+        total = first
+    elif any(j != tail[0][0] for j, _ in tail):
+        raise ValueError("not support '+' with '*' calculate")
+    elif tail[0][0] == "+":
+        total = first + sum(ns for _, ns in tail)
+    else:  # a product in seconds (1m*10 is 600s, 1m*10ms is 0.6s), whole ns at each step
+        acc = 10**9
+        for _, ns in tail:
+            acc = math.floor(Fraction(acc * ns, 10**9))
+            if acc > _U64:
+                raise ValueError("overflow error")
+        total = math.floor(Fraction(first * acc, 10**9))
+    if total > _U64:
+        raise ValueError("overflow error")
+    return timedelta(microseconds=total // 1000)
 
 
 def format_duration(d: timedelta) -> str:
@@ -255,12 +390,9 @@ def format_duration(d: timedelta) -> str:
     return f"{s:g}s"
 
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-
-
 class _Env:
-    """Typed accessors over the environment; each raises ConfigError with the variable name."""
+    """Typed accessors over the environment, with Rust's parsing rules; each raises ConfigError
+    with the variable name."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = env
@@ -271,41 +403,46 @@ class _Env:
     def opt(self, name: str) -> str | None:
         return self.env.get(name)
 
+    def _parse(self, name: str, parse: Callable[[str], Any]) -> Any:
+        raw = self.env.get(name)
+        if raw is None:
+            return None
+        try:
+            return parse(raw)
+        except ValueError as e:
+            raise ConfigError(name, f"invalid value {raw!r} ({e})") from None
+
     def flag(self, name: str, default: bool) -> bool:
+        """``parse_default::<bool>``."""
         v = self.opt_flag(name)
         return default if v is None else v
 
     def opt_flag(self, name: str) -> bool | None:
-        raw = self.env.get(name)
-        if raw is None or raw.strip() == "":
-            return None
-        low = raw.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ConfigError(name, f"want true or false, got {raw!r}")
+        """``parse::<bool>``: None when unset."""
+        v: bool | None = self._parse(name, rust_bool)
+        return v
 
-    def integer(self, name: str, default: int, lo: int = 0, hi: int = 2**31 - 1) -> int:
-        raw = self.env.get(name)
-        if raw is None or raw.strip() == "":
-            return default
-        try:
-            v = int(raw.strip(), 0)
-        except ValueError:
-            raise ConfigError(name, f"want an integer, got {raw!r}") from None
+    def uint(self, name: str, default: int, bits: int) -> int:
+        """``parse_default::<u16/u32/u64>``."""
+        v: int | None = self._parse(name, lambda t: rust_uint(t, bits))
+        return default if v is None else v
+
+    def integer(self, name: str, default: int, lo: int, hi: int) -> int:
+        """A ``u32``-sized decimal with a range check of ours (Python-only knobs, and the HTTP/2
+        sizes: see the README's Configuration)."""
+        v = self.uint(name, default, 32 if hi < 1 << 32 else 64)
         if not lo <= v <= hi:
             raise ConfigError(name, f"{v} out of range {lo}..{hi}")
         return v
 
+    def opt_duration(self, name: str) -> timedelta | None:
+        """``parse_duration``: None when unset."""
+        v: timedelta | None = self._parse(name, parse_duration)
+        return v
+
     def duration(self, name: str, default: timedelta) -> timedelta:
-        raw = self.env.get(name)
-        if raw is None or raw.strip() == "":
-            return default
-        try:
-            return parse_duration(raw)
-        except ValueError as e:
-            raise ConfigError(name, str(e)) from None
+        v = self.opt_duration(name)
+        return default if v is None else v
 
     def prefixed(self, prefix: str) -> tuple[tuple[str, str], ...]:
         return tuple(
@@ -316,13 +453,19 @@ class _Env:
 
 
 def _termination_deadline(e: _Env) -> timedelta:
-    if e.opt("CONNECTION_TERMINATION_DEADLINE"):
-        return e.duration("CONNECTION_TERMINATION_DEADLINE", timedelta(seconds=5))
-    if e.opt("TERMINATION_GRACE_PERIOD_SECONDS"):
-        s = e.integer("TERMINATION_GRACE_PERIOD_SECONDS", 0, 0, 10**6)
-        # Leave the kubelet time to SIGKILL after us: s-5 for long grace periods, else s-1, min 1 s.
-        return timedelta(seconds=max(1, s - 5 if s > 10 else s - 1))
+    deadline = e.opt_duration("CONNECTION_TERMINATION_DEADLINE")
+    if deadline is not None:
+        return deadline
+    if e.opt("TERMINATION_GRACE_PERIOD_SECONDS") is not None:
+        s = e.uint("TERMINATION_GRACE_PERIOD_SECONDS", 0, 64)
+        # Leave the kubelet time to SIGKILL after us: s-5 for long grace periods, else s-1, min
+        # 1 s. (For 0, Rust's u64 ``0 - 1`` wraps to an endless drain; ours is the 1 s minimum.)
+        # Capped at what a timedelta holds (about 2.7 million years).
+        return timedelta(seconds=min(max(1, s - 5 if s > 10 else s - 1), _MAX_SECONDS))
     return timedelta(seconds=5)
+
+
+_MAX_SECONDS = timedelta.max.days * 86400
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,11 +582,13 @@ def _compliance_policy(e: _Env) -> None:
 def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
     pc = pc or _ProxyConfig()
     _compliance_policy(e)
-    try:
-        mode = ProxyMode(e.get("PROXY_MODE", "shared").strip().lower())
+    raw_mode = e.opt("PROXY_MODE")
+    try:  # exactly "shared" or "dedicated"
+        mode = ProxyMode.SHARED if raw_mode is None else ProxyMode(raw_mode)
     except ValueError:
         raise ConfigError(
-            "PROXY_MODE", f"want shared or dedicated, got {e.get('PROXY_MODE')!r}"
+            "PROXY_MODE",
+            f"invalid value {raw_mode!r} (PROXY_MODE must be one of dedicated, shared)",
         ) from None
 
     info: WorkloadInfo | None = None
@@ -474,7 +619,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
     elif local_path or local_inline:
         xds_address = None
     else:
-        in_cluster = bool(e.opt("KUBERNETES_SERVICE_HOST"))
+        in_cluster = e.opt("KUBERNETES_SERVICE_HOST") is not None  # set, even empty
         xds_address = DEFAULT_XDS_IN_CLUSTER if in_cluster else DEFAULT_XDS_LOCAL
     if xds_address is not None:
         xds_address = _validate_url("XDS_ADDRESS", xds_address)
@@ -485,8 +630,9 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
     if ca_address is not None:
         ca_address = _validate_url("CA_ADDRESS", ca_address)
 
-    mark_default = DEFAULT_INPOD_MARK
-    packet_mark: int | None = e.integer("PACKET_MARK", mark_default, 0, 2**32 - 1) or None
+    # Rust: PACKET_MARK as a u32, else 1337 in shared mode (in-pod needs it), else none.
+    mark_default = DEFAULT_INPOD_MARK if mode is ProxyMode.SHARED else 0
+    packet_mark: int | None = e.uint("PACKET_MARK", mark_default, 32) or None
 
     ipv6 = e.flag("IPV6_ENABLED", True)
     ttl = e.duration("SECRET_TTL", timedelta(hours=24))
@@ -502,9 +648,8 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
     conn_window = e.integer("HTTP2_CONNECTION_WINDOW_SIZE", 16 * MiB, 65535, 2**31 - 1)
     frame_size = e.integer("HTTP2_FRAME_SIZE", 1 * MiB, 16384, 2**24 - 1)
 
-    log_format = e.get("LOG_FORMAT", "plain").strip().lower() or "plain"
-    if log_format not in ("plain", "json"):
-        raise ConfigError("LOG_FORMAT", f"want plain or json, got {log_format!r}")
+    # src/telemetry.rs: exactly "json" logs JSON; anything else is plain.
+    log_format = "json" if e.get("LOG_FORMAT") == "json" else "plain"
 
     ca_dir = e.opt("ZTUNNEL_LOCAL_CA_DIR")
 
@@ -513,12 +658,21 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         raise ConfigError("ZTUNNEL_METRICS_FLUSH_INTERVAL", "must be positive")
 
     dns_proxy, dns_proxy_addr = _dns_proxy(e, dict(pc.proxy_metadata) if pc is not None else {})
-    if dns_proxy and e.flag("XDS_ON_DEMAND", False):
-        # config.rs validate_config
+    enable_proxy = e.flag("ENABLE_PROXY", True)
+    xds_on_demand = e.flag("XDS_ON_DEMAND", False)
+    # config.rs validate_config, in its order
+    if dns_proxy and xds_on_demand:
         raise ConfigError("XDS_ON_DEMAND", "DNS proxy does not currently support on-demand mode")
+    if not enable_proxy and not dns_proxy:
+        raise ConfigError(
+            "ENABLE_PROXY",
+            "ztunnel run without any servers enabled",
+            message="error parsing proxy config: ztunnel run without any servers enabled",
+        )
 
     return Config(
         proxy_mode=mode,
+        enable_proxy=enable_proxy,
         proxy_workload_info=info,
         node_name=e.get("NODE_NAME"),
         pod_name=e.get("POD_NAME"),
@@ -535,9 +689,9 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         xds_address=xds_address,
         xds_root_ca=e.get("XDS_ROOT_CA", DEFAULT_ROOT_CA) or DEFAULT_ROOT_CA,
         alt_xds_hostname=e.opt("ALT_XDS_HOSTNAME") or None,
-        auth_token=e.get("AUTH_TOKEN", DEFAULT_AUTH_TOKEN) or DEFAULT_AUTH_TOKEN,
+        auth_token=_auth_token(e),
         xds_headers=e.prefixed("XDS_HEADER_"),
-        xds_on_demand=e.flag("XDS_ON_DEMAND", False),
+        xds_on_demand=xds_on_demand,
         ca_address=ca_address,
         ca_root_ca=e.get("CA_ROOT_CA", DEFAULT_ROOT_CA) or DEFAULT_ROOT_CA,
         alt_ca_hostname=e.opt("ALT_CA_HOSTNAME") or None,
@@ -552,7 +706,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         inpod_port_reuse=e.flag("INPOD_PORT_REUSE", True),
         localhost_app_tunnel=e.flag("LOCALHOST_APP_TUNNEL", True),
         enable_response_baggage=e.flag("ENABLE_RESPONSE_BAGGAGE", True),
-        pool_max_streams_per_connection=e.integer("POOL_MAX_STREAMS_PER_CONNECTION", 100, 1, 10**6),
+        pool_max_streams_per_connection=e.uint("POOL_MAX_STREAMS_PER_CONNECTION", 100, 16),
         pool_unused_release_timeout=e.duration("POOL_UNUSED_RELEASE_TIMEOUT", timedelta(minutes=5)),
         http2_stream_window_size=stream_window,
         http2_connection_window_size=conn_window,
@@ -560,7 +714,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         keepalive_enabled=e.flag("KEEPALIVE_ENABLED", True),
         keepalive_time=e.duration("KEEPALIVE_TIME", timedelta(seconds=180)),
         keepalive_interval=e.duration("KEEPALIVE_INTERVAL", timedelta(seconds=180)),
-        keepalive_retries=e.integer("KEEPALIVE_RETRIES", 9, 1, 1000),
+        keepalive_retries=e.uint("KEEPALIVE_RETRIES", 9, 32),  # (the kernel takes 1..127)
         user_timeout_enabled=e.flag("USER_TIMEOUT_ENABLED", False),
         connection_termination_deadline=_termination_deadline(e),
         copy_mode=copy_mode,
@@ -595,13 +749,28 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         h2_max_early_resets=e.integer("ZTUNNEL_H2_MAX_EARLY_RESETS", 200, 1, 10**9),
         h2_max_continuations=e.integer("ZTUNNEL_H2_MAX_CONTINUATIONS", 32, 1, 10**6),
         fd_reserve=(
-            e.integer("ZTUNNEL_FD_RESERVE", 0, 0, 10**7) if e.opt("ZTUNNEL_FD_RESERVE") else None
+            e.integer("ZTUNNEL_FD_RESERVE", 0, 0, 10**7)
+            if e.opt("ZTUNNEL_FD_RESERVE") is not None
+            else None
         ),
         dns_proxy=dns_proxy,
         dns_proxy_addr=dns_proxy_addr,
         dns_resolv_conf=Path(e.get("ZTUNNEL_DNS_RESOLV_CONF") or "/etc/resolv.conf"),
         state_max_bytes=e.integer("ZTUNNEL_STATE_MAX_BYTES", 2 << 30, 1 << 20, 1 << 40),
     )
+
+
+def _auth_token(e: _Env) -> AuthToken | None:
+    """Rust construct_config ``auth``: unset, the default token file if it exists, else no token;
+    set, an existing path is a token file and anything else the token itself."""
+    raw = e.opt("AUTH_TOKEN")
+    if raw is None:
+        return (
+            AuthToken(path=Path(DEFAULT_AUTH_TOKEN)) if os.path.exists(DEFAULT_AUTH_TOKEN) else None
+        )
+    if raw and os.path.exists(raw):
+        return AuthToken(path=Path(raw))
+    return AuthToken(value=raw)
 
 
 def _dns_proxy(e: _Env, metadata: Mapping[str, str]) -> tuple[bool, str]:
@@ -616,19 +785,29 @@ def _dns_proxy(e: _Env, metadata: Mapping[str, str]) -> tuple[bool, str]:
         addr = metadata.get("DNS_PROXY_ADDR")
     if addr is None:
         return enabled, DNS_PROXY_ADDR
-    addr = addr.strip()
-    try:
+    try:  # config.rs Address::new: "localhost:<u16>", else a SocketAddr
         if addr.startswith("localhost:"):
-            port = addr.split(":", 1)[1]
-            if not port.isdigit() or not 0 <= int(port) <= 65535:
-                raise ValueError(f"invalid port {port!r}")
-        else:
-            SocketAddr.parse(addr)
+            addr = f"localhost:{rust_uint(addr.split(':', 1)[1], 16)}"
+        elif addr != addr.strip() or not _socket_addr(addr):
+            raise ValueError("invalid socket address syntax")
     except ValueError as err:
-        raise ConfigError(
-            "ISTIO_META_DNS_PROXY_ADDR", f"{err} (want localhost:<port> or ip:port)"
-        ) from None
+        # Rust's wording, which names the metadata key (set by ISTIO_META_DNS_PROXY_ADDR or
+        # proxyMetadata): "invalid configuration: failed to parse DNS_PROXY_ADDR: ...".
+        reason = f"failed to parse DNS_PROXY_ADDR: {addr} ({err})"
+        raise ConfigError("DNS_PROXY_ADDR", reason, message=reason) from None
     return enabled, addr
+
+
+def _socket_addr(text: str) -> bool:
+    """``SocketAddr::from_str``: ``a.b.c.d:port`` or ``[v6]:port``, a decimal u16 port."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port or not all("0" <= c <= "9" for c in port) or int(port) > 65535:
+        return False
+    try:
+        SocketAddr.parse(text)
+    except ValueError:
+        return False
+    return host.startswith("[") or ":" not in host
 
 
 def _cluster_id(e: _Env) -> str:
@@ -675,9 +854,9 @@ def cpu_quantity(env: Mapping[str, str], name: str) -> int | None:
     if raw is None:
         return None
     try:
-        cores = float(raw[:-1]) / 1000 if raw.endswith("m") else float(raw)
-    except ValueError:
-        raise ConfigError(name, f"invalid CPU quantity {raw!r}") from None
+        cores = rust_f64(raw[:-1]) / 1000 if raw.endswith("m") else rust_f64(raw)
+    except ValueError as e:
+        raise ConfigError(name, f"invalid value {raw!r} ({e})") from None
     if not math.isfinite(cores) or cores <= 0:
         raise ConfigError(name, "must be a positive CPU quantity")
     return math.ceil(cores)
@@ -692,12 +871,9 @@ def cpu_count(env: Mapping[str, str], available: Callable[[], int] = available_c
     raw = env.get("ZTUNNEL_CPU_LIMIT")
     if raw is not None:
         try:
-            n = int(raw)
-        except ValueError:
-            raise ConfigError("ZTUNNEL_CPU_LIMIT", f"invalid number {raw!r}") from None
-        if n < 0:
-            raise ConfigError("ZTUNNEL_CPU_LIMIT", f"invalid number {raw!r}")
-        return n
+            return rust_uint(raw, 64)  # usize
+        except ValueError as e:
+            raise ConfigError("ZTUNNEL_CPU_LIMIT", f"invalid value {raw!r} ({e})") from None
     return available()
 
 
@@ -717,19 +893,18 @@ def worker_threads(
         name = "ZTUNNEL_WORKER_THREADS"
         if raw.endswith("%"):
             try:
-                percent = float(raw[:-1])
+                percent = rust_f64(raw[:-1])
             except ValueError as e:
                 raise ConfigError(name, f"invalid percentage: {e}") from None
-            if not 0 < percent <= 100:
+            if percent <= 0 or percent > 100:
                 raise ConfigError(name, "percentage must be between 0 and 100")
-            n = max(math.ceil(cpus() * percent / 100), 1)
+            # (NaN passes Rust's check too, and its float-to-usize cast makes it 0, then 1)
+            n = 1 if math.isnan(percent) else max(math.ceil(cpus() * percent / 100), 1)
         else:
             try:
-                n = int(raw)
+                n = rust_uint(raw, 64)  # usize
             except ValueError as e:
                 raise ConfigError(name, f"invalid number: {e}") from None
-            if n < 0:
-                raise ConfigError(name, f"invalid number: {raw!r}")
             if n == 0:
                 n = cpus()
     elif concurrency is not None:

@@ -290,10 +290,13 @@ def _decode(v: Any, t: GoType, owner: str = "", path: str = "") -> Any:
             out[key] = _decode(x, t.value, owner, path)
         return out
     assert isinstance(t, Struct)
-    if t is CIDR_VIP and isinstance(v, str):
+    if t is CIDR_VIP and not isinstance(v, dict):
+        # CIDRVIP.UnmarshalJSON: not an object, so it must be a "network/cidr" string
+        if not isinstance(v, str):
+            raise _fail(v, STRING, owner, path)
         network, sep, cidr = v.partition("/")
         if not sep:
-            raise DecodeError(f"invalid cidrVip {v!r}")
+            raise DecodeError(f'invalid cidrVip "{v}"')
         return {"cidr": cidr, "network": network}
     if not isinstance(v, dict):
         raise _fail(v, t, owner, path)

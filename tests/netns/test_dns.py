@@ -27,7 +27,7 @@ from ztunnel.core.addr import parse_ip
 from ztunnel.inpod.protocol import WorkloadInfo
 from ztunnel.state.model import NetworkAddress, Service, ServicePort, TunnelProtocol, Workload
 from ztunnel.testing.apps import listen_in, socket_in, start_dnsmasq
-from ztunnel.testing.netns import External, NsProcess, Pod, Testbed
+from ztunnel.testing.netns import External, Node, NsProcess, Pod, Testbed
 from ztunnel.testing.nodeagent import FakeNodeAgent
 from ztunnel.testing.proc import ZtunnelProcess
 from ztunnel.testing.xdsbed import ISTIOD_PORT, TOKEN, IstiodThread, http_get, metric
@@ -43,6 +43,8 @@ KUBE_DNS4 = (
 )
 KUBE_DNS6 = "fd00:96::a"
 BIG_TXT = ",".join(f'"{c * 200}"' for c in "abcdefgh")  # ~1.6 kB: TC over UDP at 1232
+MANY = 100  # A records of many.example.test upstream, and endpoints of the headless service
+MANY_IPS = [f"10.8.0.{i}" for i in range(MANY)]
 
 
 def pod_resolv(ns: str, server: str = KUBE_DNS4, extra: str = "") -> str:
@@ -106,6 +108,7 @@ class Bed:
 def parse_dig(out: str) -> dict[str, object]:
     status = re.search(r"status: (\w+)", out)
     flags = re.search(r";; flags: ([a-z ]+);", out)
+    size = re.search(r";; MSG SIZE\s+rcvd: (\d+)", out)
     answers = []
     section = False
     for line in out.splitlines():
@@ -120,6 +123,7 @@ def parse_dig(out: str) -> dict[str, object]:
         "status": status.group(1) if status else None,
         "flags": flags.group(1).split() if flags else [],
         "answers": answers,
+        "size": int(size.group(1)) if size else None,
         "raw": out,
     }
 
@@ -139,6 +143,7 @@ def start_upstream(host: External, log_path: str) -> NsProcess:
         "--local=/cluster.local/",
         "--host-record=web.example.test,10.9.9.9,fd00:9::9",
         f"--txt-record=big.example.test,{BIG_TXT}",
+        *(f"--host-record=many.example.test,{ip}" for ip in MANY_IPS),
         log=log_path,
     )
 
@@ -350,6 +355,76 @@ def test_truncated_upstream_answers_are_retried_over_tcp(bed: Bed) -> None:
     # a client whose UDP limit is 512 gets TC and retries over TCP itself (dig does)
     small = bed.dig(bed.c1, f"@{KUBE_DNS4}", "+bufsize=512", "TXT", "big.example.test")
     assert small["status"] == "NOERROR" and "Truncated, retrying in TCP mode" in small["raw"]  # type: ignore[operator]
+
+
+def fits(question_name: str, edns: bool, limit: int) -> int:
+    """How many A records (16 bytes each, the owner a pointer) fit in ``limit`` bytes after the
+    header (12) and the question (the name + 4), and an OPT record (11) for an EDNS client."""
+    qlen = len(question_name.strip(".")) + 2 + 4
+    return (limit - 12 - qlen - (11 if edns else 0)) // 16
+
+
+@pytest.mark.parametrize("source", ["forwarded", "state"])
+def test_large_udp_answers_keep_the_records_that_fit_with_tc(bed: Bed, source: str) -> None:
+    # hickory emit_message_parts (Rust server.rs large_response): as many records as fit the
+    # client's payload size (512 without EDNS, else its EDNS size), TC set; TCP gets them all.
+    # Forwarded (dnsmasq has MANY records) and from state (a headless service with MANY
+    # endpoints).
+    if source == "state":
+        name = "many.ns1.svc.cluster.local"
+        eps = [
+            Workload(
+                uid=f"cluster1//v1/Pod/ns1/ep{i}",
+                name=f"ep{i}",
+                namespace="ns1",
+                addresses=(parse_ip(ip),),
+                services={f"ns1/{name}": {80: 8080}},
+            )
+            for i, ip in enumerate(MANY_IPS)
+        ]
+        bed.push(svc("many", "ns1"), *eps)  # no VIP: headless
+        wait_answer(bed, bed.c1, name)
+    else:
+        name = "many.example.test"
+    try:
+        for args, edns, limit in (
+            (("+noedns",), False, 512),
+            (("+bufsize=1232",), True, 1232),
+            (("+bufsize=700", "+nocookie"), True, 700),
+        ):
+            r = bed.dig(bed.c1, f"@{KUBE_DNS4}", "+ignore", *args, name)
+            assert r["status"] == "NOERROR" and "tc" in r["flags"], r["raw"]  # type: ignore[operator]
+            got = ips_of(r)
+            assert len(got) == fits(name, edns, limit), r["raw"]
+            assert set(got) <= set(MANY_IPS)
+            assert r["size"] is not None and r["size"] <= limit  # type: ignore[operator]
+            assert ("OPT PSEUDOSECTION" in r["raw"]) is edns  # type: ignore[operator]
+        whole = bed.dig(bed.c1, "+tcp", f"@{KUBE_DNS4}", name)
+        assert "tc" not in whole["flags"] and ips_of(whole) == sorted(MANY_IPS), whole["raw"]  # type: ignore[operator]
+        # and a client that retries does so over TCP and gets them all
+        retried = bed.dig(bed.c1, f"@{KUBE_DNS4}", "+noedns", name)
+        assert "Truncated, retrying in TCP mode" in retried["raw"]  # type: ignore[operator]
+        assert ips_of(retried) == sorted(MANY_IPS)
+    finally:
+        if source == "state":
+            bed.remove(f"ns1/{name}", *(f"cluster1//v1/Pod/ns1/ep{i}" for i in range(MANY)))
+
+
+def test_forwarded_answers_are_not_authoritative(bed: Bed) -> None:
+    # dnsmasq answers its own records authoritatively; through ztunnel AA is cleared, as Rust's
+    # forwarder (Response from a lookup: is_authoritative false); answers from state keep it.
+    direct = parse_dig(
+        bed.upstream.run("dig", f"@{bed.upstream.ip4}", "web.example.test", check=False).stdout
+    )
+    assert "aa" in direct["flags"], direct["raw"]  # type: ignore[operator]
+    for args in ((), ("+tcp",), ("+noedns",)):
+        r = bed.dig(bed.c1, f"@{KUBE_DNS4}", *args, "web.example.test")
+        assert ips_of(r) == ["10.9.9.9"], r["raw"]
+        assert "aa" not in r["flags"] and "ra" in r["flags"], r["raw"]  # type: ignore[operator]
+    nx = bed.dig(bed.c1, f"@{KUBE_DNS4}", "nope.example.test")
+    assert nx["status"] == "NXDOMAIN" and "aa" not in nx["flags"], nx["raw"]  # type: ignore[operator]
+    ours = bed.dig(bed.c1, f"@{KUBE_DNS4}", "productpage")
+    assert "aa" in ours["flags"], ours["raw"]  # type: ignore[operator]
 
 
 def test_upstream_down_gives_servfail_in_bounded_time(bed: Bed) -> None:
@@ -672,3 +747,100 @@ def test_ipv6_upstream(bed: Bed) -> None:
         with open(bed.node_resolv, "w") as f:
             f.write(f"nameserver {bed.upstream.ip4}\n")
         time.sleep(1.2)
+
+
+# --- ENABLE_PROXY=false: the DNS proxy alone -------------------------------------------------------
+
+
+def listens_on(pod: Pod, port: int) -> bool:
+    return bool(pod.run("ss", "-Hlnt", f"sport = :{port}", check=False).stdout.strip())
+
+
+@pytest.mark.parametrize("mode", ["shared", "dedicated"])
+def test_dns_only_mode_answers_from_state_after_the_first_sync(mode: str) -> None:
+    """Rust app.rs / proxyfactory.rs with ``proxy: false``: each pod (shared) or the workload
+    (dedicated) gets its DNS server and no Proxy, so nothing listens on 15001/15006/15008. It
+    serves only once xDS has synced: istiod answers 3 s late; a query sent meanwhile is answered
+    from state afterwards (dedicated: it waits in the bound socket) or finds no server yet
+    (shared: the node agent's pods are taken after the sync)."""
+    delay = 3.0
+    with Testbed() as tb, tempfile.TemporaryDirectory() as tmp:
+        n1 = tb.add_node("n1")
+        istiod_host = tb.add_external("istiod")
+        c1 = n1.add_pod("c1")
+        sock = listen_in(istiod_host, ISTIOD_PORT, host="0.0.0.0")
+        istiod = IstiodThread(tls=False, accept_tokens=[TOKEN])
+        agent: FakeNodeAgent | None = None
+        env = {
+            "PROXY_MODE": mode,
+            "ENABLE_PROXY": "false",
+            "NODE_NAME": "n1",
+            "XDS_ADDRESS": f"http://{istiod_host.ip4}:{ISTIOD_PORT}",
+            "AUTH_TOKEN": TOKEN,
+            "ZTUNNEL_LOCAL_CA_DIR": os.path.join(tmp, "ca"),
+            "CONNECTION_TERMINATION_DEADLINE": "1s",
+        }
+        if mode == "shared":
+            agent = FakeNodeAgent(os.path.join(tmp, "n1.sock"), dns_capture=True).start()
+            agent.put_pod("uid-c1", WorkloadInfo("c1", "ns1", "default"), c1)
+            env["INPOD_UDS"] = agent.path
+            where: Pod | Node = n1
+        else:
+            c1.install_inpod_rules(dns_capture=True)
+            # (its xDS connection is ztunnel's own: not captured, as a deployment excludes it)
+            c1.run(
+                "iptables", "-t", "nat", "-I", "ISTIO_OUTPUT", "1", "-d", istiod_host.ip4,
+                "-j", "ACCEPT",
+            )  # fmt: skip
+            env["PROXY_WORKLOAD_INFO"] = "ns1/c1/default"
+            where = c1
+        zt: ZtunnelProcess | None = None
+        try:
+            istiod.call(
+                istiod.istiod.set_addresses,
+                workload(c1, "ns1"),
+                svc("productpage", "ns1", "10.96.1.1"),
+            )
+            istiod.istiod.response_delay = delay
+            istiod.start(sock)
+            zt = ZtunnelProcess(where, env).start()
+            t0 = time.monotonic()
+            early = c1.run(
+                "dig", "+time=10", "+tries=1", f"@{KUBE_DNS4}", "productpage", check=False,
+                timeout=20,
+            )  # fmt: skip
+            took = time.monotonic() - t0
+            got = parse_dig(early.stdout)
+            if mode == "dedicated":
+                # bound at start, read only once synced: answered from state, after the sync
+                assert ips_of(got) == ["10.96.1.1"], got["raw"]
+                assert took >= delay - 1, took
+            else:
+                # no pod taken from the node agent before the sync: nothing on 15053 yet
+                assert not got["answers"], got["raw"]
+                assert agent is not None
+                agent.wait_for_snapshot(timeout=20)
+            zt.wait_for(lambda r: r.get("message") == "xDS: initial sync complete", 20)
+            deadline = time.monotonic() + 10
+            while True:
+                r = parse_dig(
+                    c1.run("dig", "+time=2", f"@{KUBE_DNS4}", "productpage", check=False).stdout
+                )
+                if r["answers"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert ips_of(r) == ["10.96.1.1"] and "aa" in r["flags"], r["raw"]  # type: ignore[operator]
+            tcp = parse_dig(c1.run("dig", "+tcp", f"@{KUBE_DNS4}", "productpage").stdout)
+            assert ips_of(tcp) == ["10.96.1.1"], tcp["raw"]
+            assert listens_on_15053(c1)
+            for port in (15001, 15006, 15008):
+                assert not listens_on(c1, port), port
+            assert http_get(n1 if mode == "shared" else c1, 15021, "/healthz/ready")[0] == 200
+        finally:
+            rc = zt.stop() if zt is not None else 0
+            errors = zt.internal_errors() if zt is not None else []
+            if agent is not None:
+                agent.close()
+            istiod.close()
+            sock.close()
+        assert rc == 0 and not errors, errors

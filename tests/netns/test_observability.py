@@ -1396,9 +1396,10 @@ def test_graceful_drain_handover_goaway_and_exit_codes() -> None:
             failed, rc = spawn(a, env_a)  # zta holds 15000/15020/15021 in pod a
             assert rc == 1, failed.records[-5:]
             failed.wait_for(lambda r: "failed to start" in str(r.get("message")))
-            bad, rc = spawn(a, {**env_a, **ALT_PORTS, "LOG_FORMAT": "yaml"})
+            # (PROXY_MODE is exact in Rust; LOG_FORMAT, used here before, never fails there)
+            bad, rc = spawn(a, {**env_a, **ALT_PORTS, "PROXY_MODE": "Dedicated"})
             assert rc == 2, bad.records[-5:]
-            bad.wait_for(lambda r: "invalid configuration: LOG_FORMAT" in str(r.get("message")))
+            bad.wait_for(lambda r: "invalid configuration: PROXY_MODE" in str(r.get("message")))
 
             # /quitquitquit: POST only; a graceful shutdown, exit 0.
             assert http(a, "127.0.0.1", 15000, "/quitquitquit").status == 405

@@ -46,6 +46,7 @@ pytestmark = [
 
 PODS = (MeshPod("c1", "n1", "sa-c1"), MeshPod("s1", "n2", "sa-s1"))
 VIP = "10.96.0.40"
+CIDR_VIP = "10.97.0.0/24"
 SVC = "s1.default.svc.cluster.local"
 ECHO = 8080
 ISTIO_VERSION = "1.28.1-ztunnel-py-test"
@@ -59,7 +60,9 @@ def extra_config(s1: Pod) -> str:
   namespace: default
   hostname: {SVC}
   vips: ["/{VIP}"]
+  cidrVips: [{{network: "", cidr: {CIDR_VIP}}}]
   ports: {{80: {ECHO}}}
+  visibility: Namespace
 policies:
 - name: deny-port-1
   namespace: default
@@ -196,6 +199,10 @@ def test_config_dump_decodes_as_istioctl_for_every_subcommand(live: Live) -> Non
     for d in (d1, d2):
         assert sorted(w["name"] for w in d["workloads"]) == ["c1", "s1"]
         assert [s["hostname"] for s in d["services"]] == [SVC]
+        # the two fields of Rust's Service that istioctl reads besides those (api.go)
+        (svc,) = d["services"]
+        assert svc["cidrVips"] == [{"cidr": CIDR_VIP, "network": ""}]
+        assert svc["visibility"] == "Namespace"
         assert [(p["name"], p["action"], p["scope"]) for p in d["policies"]] == [
             ("deny-port-1", "Deny", "Namespace")
         ]
@@ -208,6 +215,12 @@ def test_config_dump_decodes_as_istioctl_for_every_subcommand(live: Live) -> Non
     for sub, r in [*out1.items(), *out2.items()]:
         assert r.returncode == 0, (sub, r.stderr)
         assert r.stderr == "", (sub, r.stderr)
+    # `istioctl ztunnel-config service -o json`: what it decoded, written back
+    for body in (b1, b2):
+        r = istioctl("service-json", body)
+        assert r.returncode == 0, r.stderr
+        (svc,) = json.loads(r.stdout)
+        assert (svc["cidrVips"], svc["visibility"]) == ([f"/{CIDR_VIP}"], "Namespace")
     rows1 = {sub: table(r.stdout) for sub, r in out1.items()}
     rows2 = {sub: table(r.stdout) for sub, r in out2.items()}
     assert rows1["workload"] == [

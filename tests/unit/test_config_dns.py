@@ -26,11 +26,34 @@ def test_proxy_addr(addr: str) -> None:
     assert Config.from_env({"ISTIO_META_DNS_PROXY_ADDR": addr}).dns_proxy_addr == addr
 
 
-@pytest.mark.parametrize("addr", ["localhost", "localhost:x", "foo:53", "1.2.3.4", "[::1]"])
-def test_bad_proxy_addr(addr: str) -> None:
+@pytest.mark.parametrize(
+    ("addr", "why"),
+    [
+        ("localhost", "invalid socket address syntax"),
+        ("localhost:x", "invalid digit found in string"),
+        ("localhost:", "cannot parse integer from empty string"),
+        ("localhost:65536", "number too large to fit in target type"),
+        ("foo:53", "invalid socket address syntax"),
+        ("1.2.3.4", "invalid socket address syntax"),
+        ("[::1]", "invalid socket address syntax"),
+        ("::1:53", "invalid socket address syntax"),
+        (" 127.0.0.1:53", "invalid socket address syntax"),
+    ],
+)
+def test_bad_proxy_addr_names_the_key_as_rust(addr: str, why: str) -> None:
+    # config.rs construct_config: Error::InvalidState(format!("failed to parse
+    # {DNS_PROXY_ADDR_METADATA}: {dns_addr} ({e})")), shown as "invalid configuration: ..."
     with pytest.raises(ConfigError) as e:
         Config.from_env({"ISTIO_META_DNS_PROXY_ADDR": addr})
-    assert e.value.var == "ISTIO_META_DNS_PROXY_ADDR"
+    assert e.value.var == "DNS_PROXY_ADDR"
+    assert str(e.value) == f"failed to parse DNS_PROXY_ADDR: {addr} ({why})"
+
+
+def test_proxy_addr_port_is_a_rust_u16() -> None:
+    # Address::new: "localhost:" then u16::from_str, which takes a leading "+".
+    assert Config.from_env({"ISTIO_META_DNS_PROXY_ADDR": "localhost:+53"}).dns_proxy_addr == (
+        "localhost:53"
+    )
 
 
 def test_dns_with_xds_on_demand_is_an_error() -> None:

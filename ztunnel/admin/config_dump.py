@@ -34,7 +34,9 @@ from ztunnel.state.model import (
     LoadBalancing,
     Match,
     NetworkAddress,
+    NetworkCidr,
     Service,
+    ServiceVisibility,
     StringMatch,
     TunnelProtocol,
     Workload,
@@ -98,6 +100,7 @@ _LB_MODE = {
     LoadBalancerMode.PASSTHROUGH: "Passthrough",
 }
 _IP_FAMILIES = {IPFamilies.DUAL: "Dual", IPFamilies.IPV4_ONLY: "IPv4", IPFamilies.IPV6_ONLY: "IPv6"}
+_VISIBILITY = {ServiceVisibility.PUBLIC: "Public", ServiceVisibility.NAMESPACE: "Namespace"}
 
 
 def _pascal(name: str) -> str:
@@ -167,8 +170,15 @@ def _load_balancer(lb: LoadBalancing) -> JSON:
     }
 
 
+def cidr_vip(c: NetworkCidr) -> JSON:
+    """Rust ``NetworkCidr`` (derived serde, not a string): ``{"network", "cidr"}``."""
+    return {"network": c.network, "cidr": str(c.cidr)}
+
+
 def service(s: Service, endpoints: Iterable[Workload] = ()) -> JSON:
-    """One service; ``endpoints`` (the workloads listing it) become ``{uid: {...}}``."""
+    """One service; ``endpoints`` (the workloads listing it) become ``{uid: {...}}``. Fields in
+    Rust's order (``src/state/service.rs``): ``cidrVips`` and ``weightedWaypoints`` omitted when
+    empty, ``visibility`` always there (``Public`` or ``Namespace``)."""
     eps: dict[str, JSON] = {}
     for w in sorted(endpoints, key=lambda w: w.uid):
         eps[w.uid] = {
@@ -181,17 +191,25 @@ def service(s: Service, endpoints: Iterable[Workload] = ()) -> JSON:
         "namespace": s.namespace,
         "hostname": s.hostname,
         "vips": [network_address(v) for v in s.vips],
-        "ports": _ports({p.service_port: p.target_port for p in s.ports}),
-        "endpoints": eps,
-        "subjectAltNames": list(s.subject_alt_names),
     }
+    if s.cidr_vips:
+        out["cidrVips"] = [cidr_vip(c) for c in s.cidr_vips]
+    out["ports"] = _ports({p.service_port: p.target_port for p in s.ports})
+    out["endpoints"] = eps
+    out["subjectAltNames"] = list(s.subject_alt_names)
     if s.waypoint is not None:
         out["waypoint"] = gateway(s.waypoint)
+    if s.weighted_waypoints:
+        out["weightedWaypoints"] = [
+            {"destination": gateway(w.destination), "weight": w.weight}
+            for w in s.weighted_waypoints
+        ]
     if s.load_balancing is not None:
         out["loadBalancer"] = _load_balancer(s.load_balancing)
     if s.ip_families in _IP_FAMILIES:
         out["ipFamilies"] = _IP_FAMILIES[s.ip_families]
     out["canonical"] = s.canonical
+    out["visibility"] = _VISIBILITY[s.visibility]
     return out
 
 

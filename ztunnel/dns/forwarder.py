@@ -6,8 +6,10 @@ applied its own), sockets from the proxy's marked socket factory (so istio-cni's
 capture them again; in shared mode they live in the pod's netns), a response cache of 4096
 entries (``dns_resolver_opts.cache_size``). Differences from Rust, on purpose: the upstream
 answer is relayed as it came (flags, rcode, authority section with its SOA, EDE options) rather
-than rebuilt from hickory's ``Lookup``; only the ID, TTLs (aged in the cache) and EDNS (the
-client's) change.
+than rebuilt from hickory's ``Lookup``; only the ID, TTLs (aged in the cache), EDNS (the
+client's) and AA change: a forwarded answer is never authoritative (Rust ``Response::from``
+a lookup: ``is_authoritative: false``), and like any answer it is cut to the client's UDP size
+keeping the records that fit (``wire.fit``).
 
 Bounds: one upstream query per distinct in-flight question (followers wait for it), a fixed
 number of questions in flight per forwarder, a deadline per forward after which the client gets
@@ -214,15 +216,15 @@ class ResponseCache:
 
 def render(msg: dns.message.Message, do: bool) -> Rendered:
     """The upstream ``msg`` as we relay it: flags, rcode and sections as they came (TC cleared:
-    a TCP answer is complete); with EDNS for EDNS clients, without for the others (an extended
-    rcode they cannot see becomes SERVFAIL). Rendered once by dnspython; the variant without
-    EDNS is the same bytes less the OPT record."""
+    a TCP answer is complete; AA cleared: not our authority); with EDNS for EDNS clients,
+    without for the others (an extended rcode they cannot see becomes SERVFAIL). Rendered once
+    by dnspython; the variant without EDNS is the same bytes less the OPT record."""
     import dns.flags
     import dns.message
 
     rcode = msg.rcode()
     r = dns.message.Message(id=0)
-    r.flags = msg.flags & ~dns.flags.TC
+    r.flags = msg.flags & ~(dns.flags.TC | dns.flags.AA)
     r.question = msg.question
     r.answer = msg.answer
     r.authority = msg.authority
@@ -239,8 +241,8 @@ def render(msg: dns.message.Message, do: bool) -> Rendered:
 
 def render_raw(msg: dns.message.Message, raw: bytes, do: bool) -> Rendered:
     """``render`` without re-rendering: the upstream's own bytes (dnspython parsed them, so
-    their structure is good) with ID 0, TC cleared and our payload in the OPT, when they need
-    nothing else (no option but EDE, the OPT last, no TSIG); otherwise ``render``."""
+    their structure is good) with ID 0, TC and AA cleared and our payload in the OPT, when they
+    need nothing else (no option but EDE, the OPT last, no TSIG); otherwise ``render``."""
     if any(o.otype != _EDE for o in msg.options) or msg.had_tsig:
         return render(msg, do)
     ttls, opt, end, last_is_opt = _walk(raw)
@@ -248,7 +250,7 @@ def render_raw(msg: dns.message.Message, raw: bytes, do: bool) -> Rendered:
         return render(msg, do)
     e = bytearray(raw[:end])
     struct.pack_into("!H", e, 0, 0)
-    flags = struct.unpack_from("!H", e, 2)[0] & ~wire.TC
+    flags = struct.unpack_from("!H", e, 2)[0] & ~(wire.TC | wire.AA)
     struct.pack_into("!H", e, 2, flags)
     rcode = msg.rcode()
     if opt is None:
@@ -291,13 +293,13 @@ def _walk(data: bytes) -> tuple[tuple[int, ...], tuple[int, int] | None, int, bo
     qd, an, ns, ar = struct.unpack_from("!HHHH", data, 4)
     pos = 12
     for _ in range(qd):
-        pos = _skip_name(data, pos) + 4
+        pos = wire.skip_name(data, pos) + 4
     out = []
     opt = None
     last_is_opt = False
     for _ in range(an + ns + ar):
         start = pos
-        pos = _skip_name(data, pos)
+        pos = wire.skip_name(data, pos)
         rtype, _cls, _ttl, rdlen = struct.unpack_from("!HHIH", data, pos)
         if rtype != wire.TYPE_OPT:
             out.append(pos + 4)
@@ -306,16 +308,6 @@ def _walk(data: bytes) -> tuple[tuple[int, ...], tuple[int, int] | None, int, bo
         if last_is_opt:
             opt = (start, pos)
     return tuple(out), opt, pos, last_is_opt
-
-
-def _skip_name(data: bytes, pos: int) -> int:
-    while True:
-        b = data[pos]
-        if b == 0:
-            return pos + 1
-        if b & 0xC0:
-            return pos + 2
-        pos += b + 1
 
 
 def relay(req: wire.Request, rendered: Rendered, age: int, udp: bool) -> bytes:

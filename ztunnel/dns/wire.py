@@ -12,7 +12,8 @@ Rust behaviour mirrored (``hickory-server`` 0.26.1 ``Server::handle_request`` an
 ``istio/ztunnel:src/dns/handler.rs``): fewer than 12 bytes or a response (QR=1) is dropped; a
 message that does not parse gets FORMERR (header only); an opcode other than QUERY gets NOTIMP;
 error responses echo the question, copy RD and CD, and carry no EDNS; answers set RA, AA when
-from state, and echo EDNS (payload at least 512, the client's version and DO bit).
+from state, and echo EDNS (payload at least 512, the client's version and DO bit). A UDP answer
+larger than the client's payload size keeps the records that fit, with TC set.
 """
 
 from __future__ import annotations
@@ -266,14 +267,61 @@ def answer(
 
 
 def fit(req: Request, wire: bytes, udp: bool) -> bytes:
-    """A response that fits the client's UDP size (or a TCP message): as is, or header +
-    question (+ OPT) with TC set, so the client retries over TCP (or learns it was cut)."""
-    if len(wire) <= (req.udp_limit if udp else MAX_MESSAGE):
+    """A response that fits the client's UDP size (512 bytes without EDNS, else its EDNS
+    payload) or one TCP message: as is, or :func:`truncate`d to it."""
+    limit = req.udp_limit if udp else MAX_MESSAGE
+    if len(wire) <= limit:
         return wire
-    qid, flags = struct.unpack_from("!HH", wire)
-    opt = _opt(req.edns)
-    head = HEADER.pack(qid, flags | TC, req.qcount, 0, 0, 1 if opt else 0)
-    return head + req.question + opt
+    return truncate(req, wire, limit)
+
+
+def truncate(req: Request, wire: bytes, limit: int) -> bytes:
+    """As many whole records as fit in ``limit`` bytes, with TC set and the counts of what was
+    kept (hickory ``emit_message_parts``: records in order, the header counts what was
+    written), so a client can use them or retry over TCP. The OPT record is kept (RFC 6891 7:
+    a truncated response still carries it), space for it reserved. Records are kept as a
+    prefix, in order, answers then authority then additional: compression pointers only point
+    backwards, so what is kept stays valid. ``wire`` must be a well-formed message (ours, or
+    an upstream reply dnspython parsed)."""
+    qid, flags, qd, an, ns, ar = HEADER.unpack_from(wire)
+    pos = 12
+    for _ in range(qd):
+        pos = skip_name(wire, pos) + 4
+    question_end = pos
+    records: list[tuple[int, int]] = []  # (end offset, section) of each record before the OPT
+    opt = b""
+    for i in range(an + ns + ar):
+        start = pos
+        pos = skip_name(wire, pos)
+        rtype, _cls, _ttl, rdlen = struct.unpack_from("!HHIH", wire, pos)
+        pos += 10 + rdlen
+        if rtype == TYPE_OPT:
+            opt = wire[start:pos]
+            break  # (always the last record here; anything after it is not kept)
+        records.append((pos, 0 if i < an else 1 if i < an + ns else 2))
+    if req.edns is None:
+        opt = b""
+    elif not opt or question_end + len(opt) > limit:
+        opt = _opt(req.edns)  # (an upstream OPT too big even alone: a bare one)
+    end, counts = question_end, [0, 0, 0]
+    for stop, section in records:
+        if stop + len(opt) > limit:
+            break
+        end = stop
+        counts[section] += 1
+    head = HEADER.pack(qid, flags | TC, qd, counts[0], counts[1], counts[2] + (1 if opt else 0))
+    return head + wire[12:end] + opt
+
+
+def skip_name(data: bytes, pos: int) -> int:
+    """Past the name at ``pos`` of a well-formed message (labels, then a zero or a pointer)."""
+    while True:
+        b = data[pos]
+        if b == 0:
+            return pos + 1
+        if b & 0xC0:
+            return pos + 2
+        pos += b + 1
 
 
 def rcode_of(wire: bytes) -> int:

@@ -136,7 +136,9 @@ class ProxyInstance:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def bind(self) -> None:
-        """Create all listening sockets (inside the netns); on any failure, none stay open."""
+        """Create all listening sockets (inside the netns); on any failure, none stay open.
+        With ``ENABLE_PROXY=false`` only the companions' (Rust proxyfactory.rs: no ``Proxy``,
+        the DNS server alone)."""
         handlers = (
             (OUTBOUND_PORT, "outbound", Outbound(self.ctx).handle, Reporter.SOURCE),
             (
@@ -148,7 +150,7 @@ class ProxyInstance:
             (HBONE_PORT, "inbound", self.inbound.handle, Reporter.DESTINATION),
         )
         try:
-            for port, name, handler, reporter in handlers:
+            for port, name, handler, reporter in handlers if self.config.enable_proxy else ():
                 lst = Listener(self._listen(port), handler, f"{self.name} {name}")
                 lst.budget = self.sockets.budget  # refuse connections within the fd reserve
                 lst.pass_peer = port == HBONE_PORT  # (an access-log line even once reset)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ztunnel.testing.netns import Host, NsProcess
@@ -23,12 +23,26 @@ Record = dict[str, Any]
 class ZtunnelProcess:
     """``python -m ztunnel proxy ztunnel`` in ``host``'s netns with ``LOG_FORMAT=json``.
 
-    Every stdout/stderr line is kept; JSON lines are parsed into ``records``."""
+    Every stdout/stderr line is kept; JSON lines are parsed into ``records``. ``prefix`` runs
+    the process under a wrapper (e.g. ``setpriv`` with capabilities dropped).
 
-    def __init__(self, host: Host, env: Mapping[str, str], *, loop: str = "uvloop") -> None:
+    istio-cni's in-pod rules let only packets marked 1337 through uncaptured. Rust marks nothing
+    in dedicated mode unless ``PACKET_MARK`` is set (``src/config.rs``), so a dedicated ztunnel
+    under those rules is deployed with ``PACKET_MARK=1337``: on a pod with the rules installed,
+    the harness sets it unless the test's env does."""
+
+    def __init__(
+        self,
+        host: Host,
+        env: Mapping[str, str],
+        *,
+        loop: str = "uvloop",
+        prefix: Sequence[str] = (),
+    ) -> None:
         self.host = host
         self.env = dict(env)
         self.loop = loop
+        self.prefix = tuple(prefix)
         self.records: list[Record] = []
         self.expected_errors: list[str] = []
         self.proc: NsProcess | None = None
@@ -54,7 +68,10 @@ class ZtunnelProcess:
         env.update(self.log_env)
         env.update({"PYTHONPATH": _PROJECT_ROOT, "PYTHONUNBUFFERED": "1"})
         env.update(self.env)
+        if env.get("PROXY_MODE") == "dedicated" and getattr(self.host, "inpod_rules", None):
+            env.setdefault("PACKET_MARK", "1337")
         self.proc = self.host.popen(
+            *self.prefix,
             sys.executable,
             "-m",
             "ztunnel",

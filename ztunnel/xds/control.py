@@ -3,9 +3,10 @@
 Follows istio/ztunnel ``src/tls/control.rs`` and ``src/identity/auth.rs``: server-only TLS (no
 client certificate), ALPN h2, roots from a path, inline PEM or ``SYSTEM``, an optional
 alternative name to verify; h2 keepalive 30 s with a 10 s ack timeout; a 5 s connect timeout.
-Every call carries ``authorization: Bearer <token>``, ``clusterid`` and the configured extra
-headers. The token file and the roots file are read again for every new connection, so a
-rotated projected token or root bundle is picked up without a restart.
+Every call carries the configured extra headers and, with a token, ``authorization: Bearer
+<token>`` and ``clusterid`` (``AuthSource::insert_headers``; with no token, neither). The token
+file and the roots file are read again for every new connection, so a rotated projected token or
+root bundle is picked up without a restart.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import re
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from grpclib.client import Channel
 from grpclib.config import Configuration
+
+from ztunnel.config import AuthToken
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -102,32 +104,28 @@ def client_ssl_context(root_ca: str) -> ssl.SSLContext:
     return ctx
 
 
-def _is_token_path(value: str) -> bool:
-    # A JWT is base64url and never contains "/": anything with a slash is a path (as is the
-    # default ./var/run/secrets/tokens/istio-token), and so is an existing file.
-    return "/" in value or os.path.isfile(value)
+def read_token(auth: AuthToken) -> str:
+    """The bearer token: the token file's contents (read now; a trailing newline is dropped),
+    or the static value (``config.AuthToken``, decided as Rust does from ``AUTH_TOKEN``).
 
-
-def read_token(auth_token: str) -> str:
-    """The bearer token: the contents of the ``AUTH_TOKEN`` file, or the literal value.
-
-    Raises ControlPlaneError for a missing or empty token file.
+    Raises ControlPlaneError for a missing, unreadable or empty token file.
     """
-    if not _is_token_path(auth_token):
-        token = auth_token.strip()
+    if auth.path is None:
+        token, where = auth.value or "", "AUTH_TOKEN"
     else:
+        where = repr(str(auth.path))
         try:
-            token = Path(auth_token).read_text(encoding="ascii", errors="strict").strip()
+            token = auth.path.read_text(encoding="ascii", errors="strict").strip()
         except FileNotFoundError:
-            raise ControlPlaneError(
-                f"token file {auth_token!r} does not exist (AUTH_TOKEN names a file or a token)"
-            ) from None
+            raise ControlPlaneError(f"token file {where} does not exist") from None
         except (OSError, UnicodeError) as e:
-            raise ControlPlaneError(f"cannot read token file {auth_token!r}: {e}") from None
+            raise ControlPlaneError(f"cannot read token file {where}: {e}") from None
+        if not token:
+            raise ControlPlaneError(f"token file {where} exists, but was empty")
     if not token:
-        raise ControlPlaneError(f"token {auth_token!r} is empty")
+        raise ControlPlaneError("the token (AUTH_TOKEN) is empty")
     if not _HEADER_VALUE.fullmatch(token):
-        raise ControlPlaneError(f"token from {auth_token!r} is not printable ASCII")
+        raise ControlPlaneError(f"token from {where} is not printable ASCII")
     return token
 
 
@@ -146,13 +144,14 @@ def _check_headers(headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str],
 class ControlPlaneTarget:
     """Everything needed to open a channel to istiod (xDS or CA) and authenticate each call.
 
-    ``auth_token`` None sends no ``authorization`` header (only useful against test servers).
+    ``auth_token`` None sends neither ``authorization`` nor ``clusterid`` (Rust
+    ``AuthSource::None``: no token file and no ``AUTH_TOKEN``).
     """
 
     address: str
     root_ca: str
     alt_hostname: str | None
-    auth_token: str | None
+    auth_token: AuthToken | None
     cluster_id: str
     headers: tuple[tuple[str, str], ...] = ()
 
@@ -165,13 +164,13 @@ class ControlPlaneTarget:
         return Endpoint.parse(self.address)
 
     def metadata(self) -> list[tuple[str, str]]:
-        """Call metadata: extra headers, then ``authorization`` and ``clusterid`` (which win,
-        as ztunnel's interceptor overwrites them). Re-reads the token file."""
+        """Call metadata: extra headers, then, with a token, ``authorization`` and ``clusterid``
+        (which win, as ztunnel's interceptor overwrites them). Re-reads the token file."""
         md = [(k, v) for k, v in self.headers if k not in _AUTH_HEADERS]
         if self.auth_token is not None:
             md.append(("authorization", f"Bearer {read_token(self.auth_token)}"))
-        if self.cluster_id:
-            md.append(("clusterid", self.cluster_id))
+            if self.cluster_id:
+                md.append(("clusterid", self.cluster_id))
         return md
 
     def roots_fingerprint(self) -> tuple[int, int, int] | None:

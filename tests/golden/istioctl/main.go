@@ -4,7 +4,7 @@
 // carry the same JSON names and Go types, so encoding/json accepts or rejects a dump exactly as
 // istioctl does, and the summaries print the same columns from the same fields.
 //
-// Usage: decoder <workload|service|policy|certificate|connections|all> < dump.json
+// Usage: decoder <workload|service|service-json|policy|certificate|connections|all> < dump.json
 // Exit status 1 and istioctl's error text when the dump does not decode.
 package main
 
@@ -150,6 +150,28 @@ func (d *dump) servicesSummary(out io.Writer) error {
 			waypointOf(s.Waypoint, d.services), fmt.Sprintf("%d/%d", healthy, len(s.Endpoints)))
 	}
 	return w.Flush()
+}
+
+// serviceDump is `istioctl ztunnel-config service -o json`: the decoded services, sorted as the
+// summary, marshalled back with four-space indents (PrintServiceDump).
+func (d *dump) serviceDump(out io.Writer) error {
+	svcs := append([]*configdump.ZtunnelService(nil), d.services...)
+	sort.Slice(svcs, func(i, j int) bool {
+		a, b := svcs[i], svcs[j]
+		if a.Namespace != b.Namespace {
+			return a.Namespace < b.Namespace
+		}
+		if a.Name != b.Name {
+			return a.Name < b.Name
+		}
+		return a.Hostname < b.Hostname
+	})
+	b, err := json.MarshalIndent(svcs, "", "    ")
+	if err != nil {
+		return fmt.Errorf("failed to marshal workloads: %v", err)
+	}
+	_, err = fmt.Fprintln(out, string(b))
+	return err
 }
 
 func (d *dump) policiesSummary(out io.Writer) error {
@@ -302,7 +324,7 @@ func (d *dump) all(out io.Writer) error {
 
 func main() {
 	if len(os.Args) != 2 {
-		fmt.Fprintln(os.Stderr, "usage: decoder <workload|service|policy|certificate|connections|all> < dump.json")
+		fmt.Fprintln(os.Stderr, "usage: decoder <workload|service|service-json|policy|certificate|connections|all> < dump.json")
 		os.Exit(2)
 	}
 	in, err := io.ReadAll(os.Stdin)
@@ -316,12 +338,13 @@ func main() {
 		os.Exit(1)
 	}
 	print := map[string]func(io.Writer) error{
-		"workload":    d.workloadsSummary,
-		"service":     d.servicesSummary,
-		"policy":      d.policiesSummary,
-		"certificate": d.certificatesSummary,
-		"connections": d.connectionsSummary,
-		"all":         d.all,
+		"workload":     d.workloadsSummary,
+		"service":      d.servicesSummary,
+		"service-json": d.serviceDump,
+		"policy":       d.policiesSummary,
+		"certificate":  d.certificatesSummary,
+		"connections":  d.connectionsSummary,
+		"all":          d.all,
 	}[os.Args[1]]
 	if print == nil {
 		fmt.Fprintln(os.Stderr, "unknown subcommand", os.Args[1])

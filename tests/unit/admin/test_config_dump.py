@@ -76,10 +76,20 @@ LOCAL_CONFIG = textwrap.dedent(
       namespace: default
       hostname: echo.default.svc.cluster.local
       vips: ["/127.10.0.1", "net1/10.0.0.1"]
+      cidrVips: [{network: net1, cidr: 10.20.0.0/16}, {cidr: "fd20::/64"}]
       ports: {80: 8080, 443: 0}
       subjectAltNames: ["spiffe://cluster.local/ns/default/sa/echo"]
       waypoint:
         destination: {network: "", address: 127.0.0.11}
+      weightedWaypoints:
+      - destination:
+          destination: {network: "", address: 127.0.0.11}
+        weight: 90
+      - destination:
+          destination: {namespace: istio-system, hostname: canary.istio-system.svc.cluster.local}
+          hboneMtlsPort: 15008
+        weight: 10
+      visibility: Namespace
       loadBalancer:
         routingPreferences: [Region, Zone]
         mode: Failover
@@ -271,6 +281,42 @@ def test_service_shape() -> None:
     assert echo["ipFamilies"] == "IPv4"
     assert "ipFamilies" not in plain and "waypoint" not in plain
     assert plain["endpoints"] == {}
+    # src/state/service.rs Service: cidrVips is a derived NetworkCidr ({network, cidr}),
+    # skipped when empty; weightedWaypoints [{destination: GatewayAddress, weight}], skipped
+    # when empty; visibility always serialized (#[serde(default)] only), Public by default.
+    assert echo["cidrVips"] == [
+        {"network": "net1", "cidr": "10.20.0.0/16"},
+        {"network": "", "cidr": "fd20::/64"},
+    ]
+    assert echo["weightedWaypoints"] == [
+        {"destination": {"destination": "/127.0.0.11", "hboneMtlsPort": 15008}, "weight": 90},
+        {
+            "destination": {
+                "destination": "istio-system/canary.istio-system.svc.cluster.local",
+                "hboneMtlsPort": 15008,
+            },
+            "weight": 10,
+        },
+    ]
+    assert echo["visibility"] == "Namespace" and plain["visibility"] == "Public"
+    assert "cidrVips" not in plain and "weightedWaypoints" not in plain
+    # serde emits struct field order
+    assert list(echo) == [
+        "name",
+        "namespace",
+        "hostname",
+        "vips",
+        "cidrVips",
+        "ports",
+        "endpoints",
+        "subjectAltNames",
+        "waypoint",
+        "weightedWaypoints",
+        "loadBalancer",
+        "ipFamilies",
+        "canonical",
+        "visibility",
+    ]
 
 
 def test_policy_shape() -> None:

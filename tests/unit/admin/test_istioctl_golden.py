@@ -241,3 +241,47 @@ def test_go_decoder_prints_every_subcommand() -> None:
         *out["certificate"],
         *out["connections"],
     ]
+
+
+def test_istioctl_reads_cidr_vips_and_visibility() -> None:
+    # istioctl api.go ZtunnelService: cidrVips []CIDRVIP (an object or a "network/cidr" string,
+    # written back as the string) and visibility string; weightedWaypoints is not a field of its
+    # and is ignored. Rust (src/state/service.rs) emits cidrVips as {network, cidr} objects.
+    d = decode(json.loads(json.dumps(full_dump())))
+    echo, plain = sorted(d["services"], key=lambda s: s["name"])
+    assert echo["cidrVips"] == [
+        {"cidr": "10.20.0.0/16", "network": "net1"},
+        {"cidr": "fd20::/64", "network": ""},
+    ]
+    assert (echo["visibility"], plain["visibility"]) == ("Namespace", "Public")
+    assert plain["cidrVips"] is None
+    # `istioctl ztunnel-config service -o json` (PrintServiceDump) through the Go stand-in
+    r = istioctl("service-json", json.dumps(full_dump()).encode())
+    assert r.returncode == 0, r.stderr
+    by_name = {s["name"]: s for s in json.loads(r.stdout)}
+    assert by_name["echo"]["cidrVips"] == ["net1/10.20.0.0/16", "/fd20::/64"]
+    assert by_name["echo"]["visibility"] == "Namespace"
+    assert by_name["plain"]["visibility"] == "Public" and "cidrVips" not in by_name["plain"]
+    assert "weightedWaypoints" not in by_name["echo"]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (["net1-no-slash"], 'invalid cidrVip "net1-no-slash"'),
+        (
+            [7],
+            "json: cannot unmarshal number into Go struct field ZtunnelService.cidrVips "
+            "of type string",
+        ),
+    ],
+)
+def test_cidr_vips_istioctl_cannot_read(value: Any, message: str) -> None:
+    # The shapes istioctl refuses (its CIDRVIP.UnmarshalJSON), so a wrong one would show here:
+    # in the schema and in the Go stand-in alike.
+    d = json.loads(json.dumps(full_dump()))
+    d["services"][0]["cidrVips"] = value
+    with pytest.raises(DecodeError, match=re.escape(message)):
+        decode(d)
+    r = istioctl("service", json.dumps(d).encode())
+    assert r.returncode == 1 and message in r.stderr, r.stderr

@@ -215,6 +215,49 @@ def reply_a(m: dns.message.Message, tcp: bool) -> list[bytes]:
     return [r.to_wire()]
 
 
+def reply_big_authoritative(m: dns.message.Message, tcp: bool) -> list[bytes]:
+    """100 A records with AA set; over UDP only TC (so the forwarder asks again over TCP)."""
+    r = dns.message.make_response(m)
+    r.flags |= dns.flags.AA
+    if not tcp:
+        r.flags |= dns.flags.TC
+        return [r.to_wire()]
+    ips = [f"10.9.{i // 256}.{i % 256}" for i in range(100)]
+    r.answer.append(dns.rrset.from_text(m.question[0].name, 60, "IN", "A", *ips))
+    return [r.to_wire(max_size=65535)]
+
+
+async def test_forwarded_answers_are_cut_to_the_client_and_never_authoritative(
+    tmp_path: Path,
+) -> None:
+    # Rust forwarder.rs found(): !response.is_authoritative(); server.rs large_response: a
+    # forwarded answer over UDP keeps the records that fit the client's size, with TC; over
+    # TCP, all of them.
+    up = Upstream(reply_big_authoritative)
+    up.start()
+    f = forwarder_for(up, tmp_path)
+
+    async def run() -> None:
+        for cached in (False, True):
+            plain = await f.forward(req_of("big.test"), True)  # no EDNS: 512 bytes
+            assert plain.cached is cached
+            m = dns.message.from_wire(plain.reply)
+            assert m.flags & dns.flags.TC and not m.flags & dns.flags.AA
+            assert len(m.answer[0]) == 30 and len(plain.reply) <= 512
+            edns = await f.forward(req_of("big.test", use_edns=0, payload=1232), True)
+            m = dns.message.from_wire(edns.reply)
+            assert m.flags & dns.flags.TC and len(m.answer[0]) == 74 and m.edns == 0
+            tcp = await f.forward(req_of("big.test"), False)
+            m = dns.message.from_wire(tcp.reply)
+            assert not m.flags & (dns.flags.TC | dns.flags.AA) and len(m.answer[0]) == 100
+        assert up.queries == [("big.test.", False), ("big.test.", True)]
+
+    try:
+        await run()
+    finally:
+        await up.close()
+
+
 async def test_forward_caches_and_coalesces(tmp_path: Path) -> None:
     up = Upstream(reply_a)
     up.start()

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ztunnel.core.addr import parse_ip
+from ztunnel.core.addr import IPAddr, parse_ip
 from ztunnel.dns import names, wire
 
 
@@ -176,19 +176,114 @@ def test_update_gets_notimp_shape() -> None:
     assert out.rcode() == dns.rcode.NOTIMP and out.opcode() == 5
 
 
-def test_truncation_for_udp() -> None:
+def _ips(n: int) -> list[IPAddr]:
+    return [parse_ip(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}") for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("edns", "udp", "n", "kept"),
+    [
+        # no EDNS: 512 bytes; header 12 + question 14 (big.test A) + 16 per A record
+        (None, True, 100, 30),
+        # EDNS 1232: the OPT's 11 bytes reserved
+        (1232, True, 100, 74),
+        (4096, True, 100, 100),  # fits: as is
+        (100, True, 100, 29),  # a payload under 512 counts as 512 (and the OPT is kept)
+        (None, False, 100, 100),  # TCP: one message of at most 65535 bytes
+        (None, False, 5000, 4094),
+    ],
+)
+def test_truncation_keeps_the_records_that_fit(
+    edns: int | None, udp: bool, n: int, kept: int
+) -> None:
+    # hickory emit_message_parts: records emitted in order until one does not fit, TC set, the
+    # counts those written. Rust's server.rs large_response: 256 A records, EDNS 1232 -> 74.
+    kw = {} if edns is None else {"use_edns": 0, "payload": edns}
+    r = req(q("big.test", "A", **kw))
+    full = wire.answer(r, _ips(n))
+    out = wire.fit(r, full, udp)
+    m = dns.message.from_wire(out)
+    got = [str(x) for rr in m.answer for x in rr]
+    assert got == [str(ip) for ip in _ips(n)][:kept]
+    assert bool(m.flags & dns.flags.TC) is (kept < n)
+    assert m.flags & dns.flags.AA  # (still ours)
+    assert len(out) <= (max(512, edns or 512) if udp else 65535)
+    assert (m.edns, m.payload) == ((0, max(512, edns)) if edns else (-1, m.payload))
+    if kept == n:
+        assert out == full
+
+
+def test_rust_large_response_count() -> None:
+    # server.rs large_response: "large.com." A, 256 addresses, hickory's client (EDNS 1232).
+    r = req(q("large.com.", "A", use_edns=0, payload=1232))
+    m = dns.message.from_wire(wire.fit(r, wire.answer(r, _ips(256)), True))
+    assert m.flags & dns.flags.TC and len(m.answer[0]) == 74
+    tcp = dns.message.from_wire(wire.fit(r, wire.answer(r, _ips(256)), False))
+    assert not tcp.flags & dns.flags.TC and len(tcp.answer[0]) == 256
+
+
+def test_truncation_keeps_the_cname_first() -> None:
+    r = req(q("Web", "A"))
+    full = wire.answer(r, _ips(100), cname=("web", "ns1", "svc", "cluster", "local"))
+    m = dns.message.from_wire(wire.fit(r, full, True))
+    assert m.flags & dns.flags.TC
+    assert m.answer[0].rdtype == dns.rdatatype.CNAME
+    assert str(m.answer[1].name) == "web.ns1.svc.cluster.local."  # pointer into the CNAME target
+    assert 20 < len(m.answer[1]) < 30
+
+
+def test_truncation_of_a_relayed_message_cuts_across_sections_in_order() -> None:
+    # answers first, then authority, then additional; a prefix, so pointers stay valid.
+    m = dns.message.make_response(dns.message.make_query("big.test", "A"))
+    m.answer.append(dns.rrset.from_text("big.test.", 60, "IN", "A", *map(str, _ips(20))))
+    m.authority.append(
+        dns.rrset.from_text("test.", 60, "IN", "NS", *(f"ns{i}.test." for i in range(40)))
+    )
+    m.additional.append(dns.rrset.from_text("ns0.test.", 60, "IN", "A", "10.0.0.53"))
+    data = m.to_wire()
     r = req(q("big.test", "A"))
-    many = [parse_ip(f"10.0.{i // 256}.{i % 256}") for i in range(100)]
-    full = wire.answer(r, many)
-    assert len(full) > 512
-    cut = dns.message.from_wire(wire.fit(r, full, udp=True))
-    assert cut.flags & dns.flags.TC and not cut.answer and len(cut.question) == 1
-    assert wire.fit(r, full, udp=False) == full
-    huge = [parse_ip(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}") for i in range(5000)]
-    cut_tcp = dns.message.from_wire(wire.fit(r, wire.answer(r, huge), udp=False))
-    assert cut_tcp.flags & dns.flags.TC  # > 65535 bytes cannot be one TCP message
-    big = req(q("big.test", "A", use_edns=0, payload=4096))
-    assert wire.fit(big, wire.answer(big, many), udp=True) == wire.answer(big, many)
+    out = dns.message.from_wire(wire.truncate(r, data, 512))
+    assert out.flags & dns.flags.TC
+    assert len(out.answer[0]) == 20 and 0 < len(out.authority[0]) < 40 and not out.additional
+    for limit in range(30, len(data), 7):
+        cut = wire.truncate(r, data, limit)
+        assert len(cut) <= max(limit, 26)
+        dns.message.from_wire(cut)  # well-formed at every size
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(0, 300),
+    v6=st.booleans(),
+    cname=st.booleans(),
+    payload=st.one_of(st.none(), st.integers(0, 65535)),
+    udp=st.booleans(),
+)
+def test_fitted_answers_parse_and_keep_a_prefix(
+    n: int, v6: bool, cname: bool, payload: int | None, udp: bool
+) -> None:
+    kw = {} if payload is None else {"use_edns": 0, "payload": payload}
+    r = req(q("svc.ns1", "AAAA" if v6 else "A", **kw))
+    ips = [parse_ip(f"fd00::{i:x}") for i in range(n)] if v6 else _ips(n)
+    full = wire.answer(r, ips, cname=("svc", "ns1", "svc", "cluster", "local") if cname else None)
+    out = wire.fit(r, full, udp)
+    assert len(out) <= (r.udp_limit if udp else 65535)
+    m = dns.message.from_wire(out)
+    whole = dns.message.from_wire(full)
+    got = [(rr.rdtype, str(x)) for rr in m.answer for x in rr]
+    want = [(rr.rdtype, str(x)) for rr in whole.answer for x in rr]
+    assert got == want[: len(got)]
+    assert bool(m.flags & dns.flags.TC) is (len(got) < len(want))
+    assert m.edns == whole.edns
+    if len(got) < len(want):  # as many as fit: the next one would not have
+        start = wire.skip_name(full, 12) + 4
+        ends = []
+        for _ in want:
+            start = wire.skip_name(full, start)
+            start += 10 + struct.unpack_from("!H", full, start + 8)[0]
+            ends.append(start)
+        nxt = ends[len(got)] - (ends[len(got) - 1] if got else wire.skip_name(full, 12) + 4)
+        assert len(out) + nxt > (r.udp_limit if udp else 65535)
 
 
 def test_drops_and_formerr() -> None:

@@ -132,11 +132,19 @@ async def test_refusal_and_bad_token_are_ca_errors(tmp_path: Path) -> None:
         async with ca_client(istiod, AUTH_TOKEN="bad") as client:
             with pytest.raises(CAError, match="UNAUTHENTICATED"):
                 await client.sign(ALICE)
+        # An AUTH_TOKEN naming no file is the token itself (Rust StaticToken): refused by istiod.
         async with ca_client(istiod, AUTH_TOKEN=str(tmp_path / "missing")) as client:
+            with pytest.raises(CAError, match="UNAUTHENTICATED"):
+                await client.sign(ALICE)
+        # A token file (it existed when the config was read) that is gone is a local error.
+        token = tmp_path / "token"
+        token.write_text("bad")
+        async with ca_client(istiod, AUTH_TOKEN=str(token)) as client:
+            token.unlink()
             with pytest.raises(CAError, match="does not exist"):
                 await client.sign(ALICE)
-            assert len(istiod.csrs) == 1  # the second never reached the CA
-            (tmp_path / "missing").write_text("good")  # the file is read on every call
+            assert len(istiod.csrs) == 2  # that one never reached the CA
+            token.write_text("good")  # the file is read on every call
             assert (await client.sign(ALICE)).identity == ALICE
 
 

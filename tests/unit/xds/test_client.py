@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import os
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -493,15 +494,36 @@ async def test_token_file_is_reread_on_reconnect(tmp_path: Path) -> None:
 
 
 async def test_missing_token_file_is_a_connection_error(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")  # a file when the config is read (Rust AuthSource::Token) ...
     async with FakeIstiod() as istiod:
-        client, _ = await synced_client(istiod, State(), AUTH_TOKEN=str(tmp_path / "nope"))
+        client, _ = await synced_client(istiod, State(), AUTH_TOKEN=str(token))
+        token.unlink()  # ... gone when connecting
         async with running(client):
             async with asyncio.timeout(5):
                 while client.metrics.connection_terminations.get("ConnectionError", 0) < 2:
                     await asyncio.sleep(0.01)
             assert istiod.streams == []
-            (tmp_path / "nope").write_text("t")
+            token.write_text("t")
             await asyncio.wait_for(client.wait_synced(), 5)
+
+
+async def test_no_token_connects_without_authorization(tmp_path: Path) -> None:
+    # Rust config.rs auth: AUTH_TOKEN unset and no ./var/run/secrets/tokens/istio-token ->
+    # AuthSource::None, whose insert_headers adds neither authorization nor clusterid.
+    old = os.getcwd()
+    os.chdir(tmp_path)  # (the default token path is relative)
+    try:
+        async with FakeIstiod(accept_tokens=None) as istiod:
+            env = {"XDS_ADDRESS": istiod.address, "POD_NAME": "ztunnel-x", "CLUSTER_ID": "c7"}
+            client = AdsClient(Config.from_env(env), StateUpdater(State()), **FAST)  # type: ignore[arg-type]
+            assert client.target.auth_token is None
+            async with running(client):
+                await asyncio.wait_for(client.wait_synced(), 5)
+            assert istiod.streams[0].header("authorization") is None
+            assert istiod.streams[0].header("clusterid") is None
+    finally:
+        os.chdir(old)
 
 
 async def test_headers_and_node_metadata() -> None:

@@ -63,7 +63,8 @@ type ZtunnelEndpoint struct {
 	Port        map[uint16]uint16 `json:"port"`
 }
 
-// CIDRVIP: an object, or the "network/cidr" string form.
+// CIDRVIP: an object, or the "network/cidr" string form; written back (-o json) as the
+// string form.
 type CIDRVIP struct {
 	CIDR    string `json:"cidr"`
 	Network string `json:"network,omitempty"`
@@ -82,10 +83,14 @@ func (c *CIDRVIP) UnmarshalJSON(data []byte) error {
 	}
 	i := strings.Index(s, "/")
 	if i < 0 {
-		return fmt.Errorf("invalid CIDRVIP %q", s)
+		return fmt.Errorf("invalid cidrVip %q", s)
 	}
 	c.Network, c.CIDR = s[:i], s[i+1:]
 	return nil
+}
+
+func (c CIDRVIP) MarshalJSON() ([]byte, error) {
+	return json.Marshal(c.Network + "/" + c.CIDR)
 }
 
 type ZtunnelService struct {
