@@ -225,7 +225,7 @@ def _lp(s: str) -> bytes:
 
 
 def _check_name(what: str, s: str) -> None:
-    if len(s.encode()) > MAX_NAME_BYTES:
+    if len(s) * 4 > MAX_NAME_BYTES and len(s.encode()) > MAX_NAME_BYTES:
         raise ValueError(f"{what} too long (at most {MAX_NAME_BYTES} bytes): {s[:64]!r}…")
 
 
@@ -290,6 +290,20 @@ class _PickTable:
         return self.wids[bisect.bisect_right(self.cumulative, rng.randrange(self.total))]
 
 
+class _Missing(dict[Any, Any]):
+    """A dict that fills a missing key from ``load`` (which stores it): a cache whose hits cost
+    a plain dict read, where the decoders look up every string of a record."""
+
+    __slots__ = ("_load",)
+
+    def __init__(self, load: Callable[[Any], Any], initial: dict[Any, Any]) -> None:
+        super().__init__(initial)
+        self._load = load
+
+    def __missing__(self, key: Any) -> Any:
+        return self._load(key)
+
+
 class _Batch:
     """The context manager of :meth:`State.batch` (one per State: the depth is the State's)."""
 
@@ -324,6 +338,7 @@ class State:
         "_failed",
         "_generation",
         "_ids",
+        "_intern",
         "_kids",
         "_memo",
         "_picks",
@@ -332,6 +347,7 @@ class State:
         "_rtxn",
         "_serial",
         "_store",
+        "_str",
         "_str_delta",
         "_str_drop",
         "_strs",
@@ -353,17 +369,22 @@ class State:
         self._store = store
         self._rtxn: Any = store.env.begin()
         self._wtxn: Any = None
+        self._cur: dict[str, Any] = {}  # a cursor per database, in the transaction read now
+        self._open_cursors()
         self._depth = 0
         self._failed = False  # a change of the open batch failed: it will be aborted
         self._batch = _Batch(self)
-        self._cur: dict[str, Any] = {}  # cursors of the transaction lookups read now
         self._changes: list[StateChange] = []  # of the open batch
         # String id -> references added / dropped by the open batch (Counter.update counts in C).
         self._str_delta: Counter[int] = Counter()
         self._str_drop: Counter[int] = Counter()
         self._counters = {"wid": 0, "seq": 0, "str": 1}
-        self._strs: dict[int, str] = {0: ""}  # string id -> string (ids are never reused)
-        self._ids: dict[str, int] = {"": 0}  # string -> id
+        # String id -> string (ids are never reused), and string -> id (the writer's): lookups
+        # that hit are plain dict reads, a miss goes to the store (``__missing__``).
+        self._strs = _Missing(self._load_str, {0: ""})
+        self._ids = _Missing(self._new_id, {"": 0})
+        self._str = self._strs.__getitem__
+        self._intern = self._ids.__getitem__
         self._wls: dict[int, Workload] = {}
         self._svcs: dict[int, Service] = {}
         self._pols: dict[str, Authorization | None] = {}
@@ -410,24 +431,22 @@ class State:
 
     # --- transactions ----------------------------------------------------------------------
 
-    def _c(self, name: str) -> Any:
-        """A cursor on database ``name`` in the transaction lookups read now."""
-        cur = self._cur.get(name)
-        if cur is None:
-            txn = self._wtxn if self._wtxn is not None else self._rtxn
-            cur = self._cur[name] = txn.cursor(db=self._store.dbs[name])
-        return cur
+    def _open_cursors(self) -> None:
+        """A cursor on every database, in the transaction lookups read now (``_cur``)."""
+        txn = self._wtxn if self._wtxn is not None else self._rtxn
+        self._cur = {name: txn.cursor(db=db) for name, db in self._store.dbs.items()}
 
     def _renew(self) -> None:
         """Read the newest committed snapshot from now on."""
         self._rtxn.abort()
-        self._cur.clear()
+        self._cur = {}
         env = self._store.env
         try:
             self._rtxn = env.begin()
         except lmdb.MapResizedError:  # (a reader mapped less than the writer now uses)
             env.set_mapsize(0)
             self._rtxn = env.begin()
+        self._open_cursors()
         self._serial += 1
         self._cidrs = None
 
@@ -446,7 +465,7 @@ class State:
                 self._wtxn = self._store.env.begin(write=True)
             except lmdb.Error as e:
                 raise StoreError(f"cannot write to the state store: {e}") from None
-            self._cur.clear()
+            self._open_cursors()
             self._serial += 1
             self._cidrs = None
         elif self._failed:  # (an inner change failed: the transaction can only be aborted)
@@ -546,8 +565,10 @@ class State:
         self._picks.clear()
         self._cidrs = None
         if self._store.writer:  # (a string of an aborted batch may be gone)
-            self._ids = {"": 0}
-            self._strs = {0: ""}
+            self._ids.clear()
+            self._ids[""] = 0
+            self._strs.clear()
+            self._strs[0] = ""
 
     # --- change notification -----------------------------------------------------------------
 
@@ -570,16 +591,17 @@ class State:
 
     # --- the string table ------------------------------------------------------------------
 
-    def _str(self, i: int) -> str:
-        s = self._strs.get(i)
-        if s is None:
-            raw = self._c("str").get(pack_i(i))
-            if raw is None:
-                raise StoreError(f"string {i} missing from the store")
-            s = raw.decode()
-            if len(self._strs) >= _CACHE_STRINGS:
-                self._strs = {0: ""}
-            self._strs[i] = s
+    def _load_str(self, i: int) -> str:
+        """A string missing from the cache (``_strs``): read from the store, cached."""
+        raw = self._cur["str"].get(pack_i(i))
+        if raw is None:
+            raise StoreError(f"string {i} missing from the store")
+        s: str = raw.decode()
+        strs = self._strs
+        if len(strs) >= _CACHE_STRINGS:
+            strs.clear()
+            strs[0] = ""
+        strs[i] = s
         return s
 
     def _id(self, s: str) -> int | None:
@@ -590,33 +612,32 @@ class State:
             return 0
         writer = self._store.writer
         if writer:
-            cached = self._ids.get(s)
+            cached: int | None = self._ids.get(s)
             if cached is not None:
                 return cached
-        raw = self._c("strid").get(_skey(s))
+        raw = self._cur["strid"].get(_skey(s))
         if raw is None:
             return None
         i: int = unpack_i(raw)[0]
         if writer:
-            if len(self._ids) >= _CACHE_STRINGS:
-                self._ids = {"": 0}
-            self._ids[s] = i
+            ids = self._ids
+            if len(ids) >= _CACHE_STRINGS:
+                ids.clear()
+                ids[""] = 0
+            ids[s] = i
         return i
 
-    def _intern(self, s: str) -> int:
-        """The id of ``s``, adding it if needed (no reference counted: whoever stores a record
-        counts the ids it holds, :meth:`_hold`)."""
-        if not s:
-            return 0
-        i = self._ids.get(s)
+    def _new_id(self, s: str) -> int:
+        """A string missing from the writer's cache (``_ids``): its id, adding it to the table
+        if needed (no reference counted: whoever stores a record counts the ids it holds,
+        :meth:`_hold`)."""
+        i = self._id(s)
         if i is None:
-            i = self._id(s)
-            if i is None:
-                i = self._counters["str"]
-                self._counters["str"] = i + 1
-                self._c("strid").put(_skey(s), pack_i(i) + pack_i(0))
-                self._c("str").put(pack_i(i), s.encode())
-                self._ids[s] = i
+            i = self._counters["str"]
+            self._counters["str"] = i + 1
+            self._cur["strid"].put(_skey(s), pack_i(i) + pack_i(0))
+            self._cur["str"].put(pack_i(i), s.encode())
+            self._ids[s] = i
         return i
 
     def _hold(self, ids: Iterable[int]) -> None:
@@ -635,7 +656,7 @@ class State:
         delta.pop(0, None)
         if not delta:
             return
-        c_id, c_str = self._c("strid"), self._c("str")
+        c_id, c_str = self._cur["strid"], self._cur["str"]
         for i, d in delta.items():
             raw_s = c_str.get(pack_i(i))
             if raw_s is None:
@@ -665,7 +686,7 @@ class State:
     def _workload(self, wid: int) -> Workload | None:
         w = self._wls.get(wid)
         if w is None:
-            raw = self._c("wl").get(pack_q(wid))
+            raw = self._cur["wl"].get(pack_q(wid))
             if raw is None:
                 return None
             w = decode_workload(raw[8:], self._str, self._memo)
@@ -675,7 +696,7 @@ class State:
         return w
 
     def _wid(self, uid: str) -> int | None:
-        raw = self._c("wluid").get(_skey(uid))
+        raw = self._cur["wluid"].get(_skey(uid))
         return None if raw is None else unpack_q(raw)[0]
 
     def upsert_workload(self, w: Workload) -> None:
@@ -686,7 +707,7 @@ class State:
             _check_name("service key", key)
         with self._batch:
             wid = self._wid(w.uid)
-            c = self._c("wl")
+            c = self._cur["wl"]
             if wid is not None:
                 raw = c.get(pack_q(wid))
                 assert raw is not None
@@ -695,7 +716,7 @@ class State:
                 self._release(workload_ids(old))
             else:
                 wid = self._next("wid")
-                self._c("wluid").put(_skey(w.uid), pack_q(wid))
+                self._cur["wluid"].put(_skey(w.uid), pack_q(wid))
             seq = self._next("seq")
             t = workload_tuple(w, self._intern)
             self._hold(workload_ids(t))
@@ -713,7 +734,7 @@ class State:
             wid = self._wid(uid)
             if wid is None:
                 return None
-            c = self._c("wl")
+            c = self._cur["wl"]
             raw = c.get(pack_q(wid))
             assert raw is not None
             t = marshal.loads(raw[8:])
@@ -722,7 +743,7 @@ class State:
             self._release(workload_ids(t))
             if c.set_key(pack_q(wid)):
                 c.delete()
-            self._c("wluid").delete(_skey(uid))
+            self._cur["wluid"].delete(_skey(uid))
             self._changes.append(StateChange(ChangeKind.WORKLOAD, uid, True, wid))
             return old
 
@@ -745,12 +766,12 @@ class State:
     def _index_workload(self, t: tuple[Any, ...], wid: int, seq: int) -> None:
         value = pack_q(wid)
         for db, k in self._workload_keys(t):
-            _list_add(self._c(db), k, value)
+            _list_add(self._cur[db], k, value)
         s = pack_q(seq)
-        self._c("ident").put(pack_i(t[W_NS]) + pack_i(t[W_SA]) + pack_i(t[W_NODE]) + s, value)
+        self._cur["ident"].put(pack_i(t[W_NS]) + pack_i(t[W_SA]) + pack_i(t[W_NODE]) + s, value)
         services = t[W_SERVICES]
         if services:
-            ep, epver = self._c("ep"), self._c("epver")
+            ep, epver = self._cur["ep"], self._cur["epver"]
             for kid, ports in services:
                 ep.put(pack_i(kid) + s, value + _summary(t, ports))
                 self._bump(epver, pack_i(kid))
@@ -758,14 +779,14 @@ class State:
     def _unindex_workload(self, t: tuple[Any, ...], wid: int, seq: int) -> None:
         value = pack_q(wid)
         for db, k in self._workload_keys(t):
-            _list_remove(self._c(db), k, value)
+            _list_remove(self._cur[db], k, value)
         s = pack_q(seq)
-        c = self._c("ident")
+        c = self._cur["ident"]
         if c.set_key(pack_i(t[W_NS]) + pack_i(t[W_SA]) + pack_i(t[W_NODE]) + s):
             c.delete()
         services = t[W_SERVICES]
         if services:
-            ep, epver = self._c("ep"), self._c("epver")
+            ep, epver = self._cur["ep"], self._cur["epver"]
             for kid, _ in services:
                 if ep.set_key(pack_i(kid) + s):
                     ep.delete()
@@ -777,7 +798,7 @@ class State:
         cursor.put(key, pack_q((unpack_q(raw)[0] if raw else 0) + 1))
 
     def _wids_at(self, db: str, key: bytes) -> list[int]:
-        raw = self._c(db).get(key)
+        raw = self._cur[db].get(key)
         if raw is None:
             return []
         if len(raw) == 8:
@@ -886,7 +907,7 @@ class State:
     def workloads(self) -> Iterator[Workload]:
         """Every workload (decoded one by one: for dumps and tools, not per connection)."""
         lookup, memo = self._str, self._memo
-        for _, raw in _everything(self._c("wl")):
+        for _, raw in _everything(self._cur["wl"]):
             yield decode_workload(raw[8:], lookup, memo)
 
     def identity_on_node(self, namespace: str, service_account: str, node: str) -> bool:
@@ -902,14 +923,14 @@ class State:
             if nid is None:
                 return False
             prefix += pack_i(nid)
-        return next(prefix_scan(self._c("ident"), prefix), None) is not None
+        return next(prefix_scan(self._cur["ident"], prefix), None) is not None
 
     # --- services --------------------------------------------------------------------------
 
     def _service(self, kid: int) -> Service | None:
         s = self._svcs.get(kid)
         if s is None:
-            raw = self._c("svc").get(pack_i(kid))
+            raw = self._cur["svc"].get(pack_i(kid))
             if raw is None:
                 return None
             s = decode_service(raw[8:], self._str)
@@ -932,7 +953,7 @@ class State:
         _check_name("service key", key)
         _check_name("service hostname", s.hostname)
         with self._batch:
-            c = self._c("svc")
+            c = self._cur["svc"]
             kid = self._id(key)
             if kid is not None:
                 raw = c.get(pack_i(kid))
@@ -961,7 +982,7 @@ class State:
             kid = self._id(key)
             if kid is None:
                 return None
-            c = self._c("svc")
+            c = self._cur["svc"]
             raw = c.get(pack_i(kid))
             if raw is None:
                 return None
@@ -988,7 +1009,7 @@ class State:
     def _index_service(self, t: tuple[Any, ...], kid: int) -> None:
         ns, value = pack_i(t[_S_NS]), pack_i(kid)
         for db, key in self._slot_keys(t):
-            c = self._c(db)
+            c = self._cur[db]
             raw = c.get(key) or b""
             for i in range(0, len(raw), 8):
                 if raw[i : i + 4] == ns:  # the namespace's slot, overwritten in place
@@ -998,7 +1019,7 @@ class State:
                 c.put(key, raw + ns + value)  # a new slot, last in order
         cidrs = t[_S_CIDRS]
         if cidrs:
-            c = self._c("cidr")
+            c = self._cur["cidr"]
             for net, (packed, plen) in cidrs:
                 c.put(pack_q(self._next("seq")), value + pack_i(net) + bytes((plen,)) + packed)
             self._cidrs = None
@@ -1007,7 +1028,7 @@ class State:
         ns = pack_i(t[_S_NS])
         for db, key in self._slot_keys(t):
             # Rust ServiceStore::remove drops the namespace's slot, whoever holds it now.
-            c = self._c(db)
+            c = self._cur[db]
             raw = c.get(key)
             if raw is None:
                 continue
@@ -1017,7 +1038,7 @@ class State:
             elif c.set_key(key):
                 c.delete()
         if t[_S_CIDRS]:
-            c = self._c("cidr")
+            c = self._cur["cidr"]
             mine = [k for k, v in _everything(c) if unpack_i(v)[0] == kid]
             for k in mine:
                 if c.set_key(k):
@@ -1033,7 +1054,7 @@ class State:
 
     def _services_at(self, db: str, key: bytes) -> list[Service]:
         """The services in the slots of ``key`` (a VIP or a hostname), in slot order."""
-        raw = self._c(db).get(key)
+        raw = self._cur[db].get(key)
         if raw is None:
             return []
         out = []
@@ -1076,7 +1097,7 @@ class State:
         if self._cidrs is not None:
             return self._cidrs
         out: list[tuple[NetworkCidr, int]] = []
-        for _, v in _everything(self._c("cidr")):
+        for _, v in _everything(self._cur["cidr"]):
             kid, net, plen = unpack_i(v)[0], unpack_i(v, 4)[0], v[8]
             packed = bytes(v[9:])
             cidr = (
@@ -1142,7 +1163,7 @@ class State:
 
     def services(self) -> Iterator[Service]:
         lookup = self._str
-        for _, raw in _everything(self._c("svc")):
+        for _, raw in _everything(self._cur["svc"]):
             yield decode_service(raw[8:], lookup)
 
     def services_for(self, workload: Workload) -> list[Service]:
@@ -1206,7 +1227,7 @@ class State:
         kid = self._id(service.key) if len(service.key.encode()) <= MAX_NAME_BYTES else None
         if kid is None:
             return []
-        return [unpack_q(v)[0] for _, v in prefix_scan(self._c("ep"), pack_i(kid))]
+        return [unpack_q(v)[0] for _, v in prefix_scan(self._cur["ep"], pack_i(kid))]
 
     def endpoints(self, service: Service) -> list[Workload]:
         """Workloads listing ``service`` in their ``services`` map (healthy or not). Decodes
@@ -1219,8 +1240,8 @@ class State:
         kid = self._id(service.key) if len(service.key.encode()) <= MAX_NAME_BYTES else None
         if wid is None or kid is None:
             return False
-        raw = self._c("wl").get(pack_q(wid))
-        return raw is not None and self._c("ep").set_key(pack_i(kid) + raw[:8])
+        raw = self._cur["wl"].get(pack_q(wid))
+        return raw is not None and self._cur["ep"].set_key(pack_i(kid) + raw[:8])
 
     def endpoint_target_port(
         self, service: Service, workload: Workload, service_port: int
@@ -1310,7 +1331,7 @@ class State:
         table = self._picks.get(tkey)
         if table is None or table.serial != self._serial:
             # (Once per snapshot: is it still the table of the service's endpoints?)
-            version = self._c("epver").get(pack_i(kid))
+            version = self._cur["epver"].get(pack_i(kid))
             if table is None or table.version != version:
                 table = self._pick_table(
                     kid, version, service_port, svc_target, lb, source, for_waypoint
@@ -1345,7 +1366,7 @@ class State:
         src_network = source.network if source is not None else ""
         lookup = self._str
         cands: list[tuple[int, Any]] = []
-        for _, v in prefix_scan(self._c("ep"), pack_i(kid)):
+        for _, v in prefix_scan(self._cur["ep"], pack_i(kid)):
             e = marshal.loads(v[8:])
             if e[_EP_UNHEALTHY] and not allow_unhealthy:
                 continue
@@ -1431,7 +1452,7 @@ class State:
         _check_name("policy key", key)
         _check_name("policy namespace", p.namespace)
         with self._batch:
-            c = self._c("pol")
+            c = self._cur["pol"]
             k = _skey(key)
             raw = c.get(k)
             if raw is not None:
@@ -1441,7 +1462,7 @@ class State:
             c.put(k, pack_q(seq) + pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL))
             ns = self._policy_index_ns(p)
             if ns is not None:
-                self._c("polns").put(_lp(ns) + pack_q(seq), key.encode())
+                self._cur["polns"].put(_lp(ns) + pack_q(seq), key.encode())
             self._pols[key] = p
             self._changes.append(StateChange(ChangeKind.POLICY, key, False))
 
@@ -1449,7 +1470,7 @@ class State:
         if len(key.encode()) > MAX_NAME_BYTES:
             return None
         with self._batch:
-            c = self._c("pol")
+            c = self._cur["pol"]
             raw = c.get(_skey(key))
             if raw is None:
                 return None
@@ -1473,7 +1494,7 @@ class State:
     def _unindex_policy(self, p: Authorization, seq: int) -> None:
         ns = self._policy_index_ns(p)
         if ns is not None:
-            c = self._c("polns")
+            c = self._cur["polns"]
             if c.set_key(_lp(ns) + pack_q(seq)):
                 c.delete()
 
@@ -1482,7 +1503,7 @@ class State:
             return self._pols[key]
         if len(key.encode()) > MAX_NAME_BYTES:
             return None
-        raw = self._c("pol").get(_skey(key))
+        raw = self._cur["pol"].get(_skey(key))
         p: Authorization | None = None if raw is None else pickle.loads(raw[8:])
         if len(self._pols) >= _CACHE_POLICIES:
             self._pols.clear()
@@ -1490,7 +1511,7 @@ class State:
         return p
 
     def policies(self) -> Iterator[Authorization]:
-        for _, raw in _everything(self._c("pol")):
+        for _, raw in _everything(self._cur["pol"]):
             yield pickle.loads(raw[8:])
 
     def policies_for(self, workload: Workload) -> list[Authorization]:
@@ -1503,7 +1524,7 @@ class State:
         def in_ns(ns: str) -> list[str]:
             if len(ns.encode()) > MAX_NAME_BYTES:
                 return []
-            return [v.decode() for _, v in prefix_scan(self._c("polns"), _lp(ns))]
+            return [v.decode() for _, v in prefix_scan(self._cur["polns"], _lp(ns))]
 
         groups: tuple[Iterable[str], ...] = (
             in_ns(workload.namespace),
@@ -1555,13 +1576,13 @@ class State:
         if len(name.encode()) > MAX_NAME_BYTES:
             return
         with self._batch:
-            self._c("ver").put(_lp(type_url) + name.encode(), version.encode())
+            self._cur["ver"].put(_lp(type_url) + name.encode(), version.encode())
 
     def drop_version(self, type_url: str, name: str) -> None:
         if len(name.encode()) > MAX_NAME_BYTES:
             return
         with self._batch:
-            c = self._c("ver")
+            c = self._cur["ver"]
             if c.set_key(_lp(type_url) + name.encode()):
                 c.delete()
 
@@ -1569,7 +1590,7 @@ class State:
         """The (name, version) of every resource of ``type_url`` held."""
         prefix = _lp(type_url)
         n = len(prefix)
-        for k, v in list(prefix_scan(self._c("ver"), prefix)):
+        for k, v in list(prefix_scan(self._cur["ver"], prefix)):
             yield bytes(k[n:]).decode(), bytes(v).decode()
 
 
