@@ -49,6 +49,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import report  # noqa: E402
+
 from ztunnel.core.addr import SocketAddr, parse_ip  # noqa: E402
 from ztunnel.proxy.route import decide_outbound  # noqa: E402
 from ztunnel.state.model import (  # noqa: E402
@@ -458,38 +461,7 @@ def decision_costs(pods: int, services: int, mesh: meshgen.Mesh, rounds: int = 9
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = [
-        "| pods / services | workers | PSS MiB | footprint MiB (+ store pages unmapped) | store file MiB | peak RSS MiB | ready s | served s | 1% delta s | probes failed in delta |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in doc["rows"]:
-        lines.append(
-            f"| {r['pods']:,} / {r['services']:,} | {r['workers']} | {r.get('pss_mib', '-')} | "
-            f"{r.get('footprint_mib', '-')} | {r.get('store_file_mib', '-')} | "
-            f"{r.get('peak_rss_mib', '-')} | {r.get('ready_s', '-')} | {r.get('served_s', '-')} | "
-            f"{r.get('delta_s', '-')} | {r.get('delta_failed_probes', '-')} |"
-        )
-    costs = doc.get("decisions") or {}
-    if costs:
-        lines += [
-            "",
-            f"decide_outbound at {costs['pods']:,} pods / {costs['services']:,} services, µs per "
-            "decision, median (minimum) of the rounds:",
-            "",
-            "| destination | warm | cold |",
-            "|---|---|---|",
-        ]
-        for label in ("pod_ip", "vip", "unknown", "service_5000"):
-            if f"{label}_warm_us" in costs:
-                warm = f"{costs[f'{label}_warm_us']} ({costs[f'{label}_warm_min_us']})"
-                cold = f"{costs[f'{label}_cold_us']} ({costs[f'{label}_cold_min_us']})"
-                lines.append(f"| {label} | {warm} | {cold} |")
-        if "service_5000_rebuild_ms" in costs:
-            lines.append(
-                f"\nRebuilding the 5,000-endpoint service's pick table after one endpoint "
-                f"changed: {costs['service_5000_rebuild_ms']} ms (once per change)."
-            )
-    return "\n".join(lines) + "\n"
+    return "\n".join(report.scale_block(doc)).lstrip("\n") + "\n"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

@@ -199,5 +199,43 @@ def test_readme_table_is_generated_from_the_committed_results() -> None:
     doc = json.loads((ROOT / "benchmarks" / "results" / "suite.json").read_text())
     wpath = ROOT / "benchmarks" / "results" / "suite_workers.json"
     workers = json.loads(wpath.read_text()) if wpath.exists() else None
+    spath = ROOT / "benchmarks" / "results" / "scale.json"
+    scale = json.loads(spath.read_text()) if spath.exists() else None
     readme = (ROOT / "README.md").read_text()
-    assert report.readme_block(doc, workers) in readme, "run: python benchmarks/report.py"
+    assert report.readme_block(doc, workers, scale) in readme, "run: python benchmarks/report.py"
+
+
+@pytest.mark.timeout(10)
+def test_scale_rows_carry_memory_time_and_decision_costs() -> None:
+    scale = {
+        "command": "python benchmarks/scale.py",
+        "started": "2026-12-02T03:00:00Z",
+        "rows": [
+            {
+                "pods": 200_000,
+                "services": 20_000,
+                "workers": 2,
+                "pss_mib": 320.1,
+                "store_file_mib": 160.5,
+                "peak_rss_mib": 599.8,
+                "ready_s": 33.3,
+                "served_s": 33.4,
+                "delta_s": 0.84,
+                "delta_failed_probes": 0,
+            }
+        ],
+        "decisions": {
+            "pods": 200_000,
+            "services": 20_000,
+            "vip_warm_us": 9.5,
+            "vip_warm_min_us": 8.1,
+            "vip_cold_us": 40.0,
+            "vip_cold_min_us": 30.0,
+            "service_5000_rebuild_ms": 60.8,
+        },
+    }
+    block = "\n".join(report.scale_block(scale))
+    assert "| 200,000 / 20,000 | 2 | 320.1 | 160.5 | 599.8 | 33.3 | 33.4 | 0.84 | 0 |" in block
+    assert "| a service VIP (10 endpoints) | 9.5 (8.1) | 40.0 (30.0) |" in block
+    assert "60.8 ms, once per change" in block
+    assert "scale.py" in report.readme_block(DOC, None, scale)
