@@ -5,7 +5,6 @@ All functions work on plain ``socket.socket`` objects and raise OSError as the k
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import ipaddress
 import socket
@@ -21,7 +20,6 @@ IP_TRANSPARENT = 19
 IP_FREEBIND = 15
 IPV6_TRANSPARENT = 75
 IPV6_FREEBIND = 78
-IP_BIND_ADDRESS_NO_PORT = 24  # SOL_IP, for IPv4 and IPv6 sockets alike (Linux >= 4.2)
 SO_MARK = getattr(socket, "SO_MARK", 36)
 TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 
@@ -74,18 +72,21 @@ def set_mark(sock: socket.socket, mark: int | None) -> None:
 
 
 def set_transparent(sock: socket.socket, family: int) -> None:
-    """Allow binding a foreign address (spoofing the client's IP on the way to the app), with
-    the port chosen at ``connect()`` rather than at ``bind(ip, 0)``: at bind time the kernel
-    must find a port free for every destination, a search through every socket in TIME_WAIT
-    (as HAProxy does, with IP_BIND_ADDRESS_NO_PORT)."""
+    """Allow binding a foreign address (spoofing the client's IP on the way to the app).
+
+    A connecting socket is then bound to ``(ip, 0)`` and the kernel picks its port at bind time,
+    as Rust's ``freebind_connect`` does (no IP_BIND_ADDRESS_NO_PORT): bind(0) takes odd ports
+    first and connect() even ones, so our spoofed tuple never equals a live connection of a
+    client (which connect()s) to the same app port. A port picked at connect() would be even
+    like the client's, and a clash is two connections in one conntrack entry: the client's SYN
+    is delivered to the app's established socket instead of 15006 (it hangs in SYN-SENT), or
+    ours is redirected to 15006 (see tests/netns/test_inpod.py)."""
     if family == socket.AF_INET6:
         sock.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
         sock.setsockopt(SOL_IPV6, IPV6_FREEBIND, 1)
     else:
         sock.setsockopt(SOL_IP, IP_TRANSPARENT, 1)
         sock.setsockopt(SOL_IP, IP_FREEBIND, 1)
-    with contextlib.suppress(OSError):  # older kernels: the port is chosen at bind, as before
-        sock.setsockopt(SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
 
 
 def set_keepalive(

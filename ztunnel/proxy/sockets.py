@@ -17,10 +17,12 @@ from datetime import timedelta
 
 from ztunnel.core.addr import IPAddr, SocketAddr
 from ztunnel.core.errors import UpstreamConnectError
+from ztunnel.logs import RateLimitedLog
 from ztunnel.net import sockopt
 from ztunnel.net.fdbudget import FdBudget
 
 log = logging.getLogger("ztunnel.proxy")
+_bind_log = RateLimitedLog(log)
 
 CONNECT_TIMEOUT = 10.0
 _STREAM_NONBLOCK = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
@@ -203,9 +205,17 @@ class SocketFactory:
             return  # a v4 client to a v6 app (or back) cannot be spoofed
         try:
             sockopt.set_transparent(sock, family)
-            sock.bind((str(ip), 0))
+            sock.bind((str(ip), 0))  # the port is picked here (see set_transparent)
             self.transparent_ok = True
         except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                # Every port of this client IP is taken (TIME_WAIT from a high connection rate):
+                # this connection leaves from our own address, as Rust's freebind_connect does
+                # when its bind fails.
+                _bind_log.warning(
+                    "bind", "cannot bind the client source IP %s (%s); connecting without it", ip, e
+                )
+                return
             if e.errno not in (errno.EPERM, errno.EACCES, errno.EADDRNOTAVAIL, errno.ENOPROTOOPT):
                 raise
             if self.transparent_ok is None:
