@@ -429,3 +429,35 @@ def test_thousands_of_concurrent_plaintext_inbound_connections_all_succeed() -> 
         finally:
             for s in socks:
                 s.close()
+
+
+def accepted_on(pod: Pod, port: int) -> list[str]:
+    """``ss -tnoe`` rows of the connections accepted on ``port`` in ``pod``."""
+    return pod.run("ss", "-Htnoe", "state", "established", f"sport = :{port}").stdout.splitlines()
+
+
+def test_accepted_connections_carry_keepalive_and_the_mark() -> None:
+    """Connections accepted on 15001 and 15006 get TCP keepalive (KEEPALIVE_TIME, 180 s), as
+    Rust's socket::Listener::accept sets it on those two (15008 has HTTP/2 PINGs instead), and
+    every accepted connection carries ztunnel's mark 0x539, as Rust's in-pod socket factory
+    marks its listening sockets (istio-cni's rules tell ztunnel's own packets by it). Both are
+    set once on the listening socket and inherited by each connection."""
+    with cluster() as cl:
+        cl.start()
+        held = [connect_from(cl.c1, cl.s1.ip4, 8080), connect_from(cl.c2, cl.s1.ip4, 8080)]
+        try:
+            for s in held:  # through 15001 -> HBONE 15008, and plaintext into 15006
+                s.sendall(b"ping\n")
+                assert recv_line(s) == "ping"
+            rows = {
+                15001: accepted_on(cl.c1, 15001),
+                15006: accepted_on(cl.s1, 15006),
+                15008: accepted_on(cl.s1, 15008),
+            }
+            assert all(len(r) == 1 for r in rows.values()), rows
+            for port, [row] in rows.items():
+                assert "fwmark:0x539" in row, (port, row)
+                assert ("timer:(keepalive," in row) is (port != 15008), (port, row)
+        finally:
+            for s in held:
+                s.close()

@@ -9,6 +9,8 @@ import functools
 import ipaddress
 import socket
 import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 
 from ztunnel.core.addr import IPAddr, SocketAddr, canonical_ip, parse_ip
@@ -89,31 +91,41 @@ def set_transparent(sock: socket.socket, family: int) -> None:
         sock.setsockopt(SOL_IP, IP_FREEBIND, 1)
 
 
-def set_keepalive(
-    sock: socket.socket,
-    time: timedelta,
-    interval: timedelta,
-    retries: int,
-    user_timeout: bool = False,
-) -> None:
-    for level, name, value in keepalive_options(time, interval, retries, user_timeout):
-        sock.setsockopt(level, name, value)
+SockOpt = tuple[int, int, int]  # (level, option, value) for setsockopt
 
 
-def keepalive_options(
-    time: timedelta, interval: timedelta, retries: int, user_timeout: bool = False
-) -> list[tuple[int, int, int]]:
-    """The ``(level, option, value)`` triples :func:`set_keepalive` sets, in order."""
-    opts = [
-        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
-        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(time.total_seconds()))),
-        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(interval.total_seconds()))),
-        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, retries),
-    ]
-    if user_timeout:
-        ms = int((time + interval * retries).total_seconds() * 1000)
-        opts.append((socket.IPPROTO_TCP, TCP_USER_TIMEOUT, ms))
-    return opts
+@dataclass(frozen=True, slots=True)
+class SocketConfig:
+    """TCP keepalive and user timeout (Rust ``config::SocketConfig``, the same defaults): set on
+    every stream socket ztunnel dials and, through its listening socket, on every connection
+    accepted on 15001 and 15006 (Rust ``socket::Listener::accept``)."""
+
+    keepalive_enabled: bool = True
+    keepalive_time: timedelta = timedelta(seconds=180)
+    keepalive_interval: timedelta = timedelta(seconds=180)
+    keepalive_retries: int = 9
+    user_timeout_enabled: bool = False
+
+    def options(self) -> tuple[SockOpt, ...]:
+        """What Rust's ``DefaultSocketFactory::setup_socket`` sets, in order: keepalive when
+        enabled, and ``TCP_USER_TIMEOUT`` = time + retries x interval when enabled (with or
+        without keepalive)."""
+        opts: list[SockOpt] = []
+        if self.keepalive_enabled:
+            opts += [
+                (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _seconds(self.keepalive_time)),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _seconds(self.keepalive_interval)),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.keepalive_retries),
+            ]
+        if self.user_timeout_enabled:
+            timeout = self.keepalive_time + self.keepalive_interval * self.keepalive_retries
+            opts.append((socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(timeout.total_seconds() * 1000)))
+        return tuple(opts)
+
+
+def _seconds(d: timedelta) -> int:
+    return max(1, int(d.total_seconds()))
 
 
 def peer_addr(sock: socket.socket) -> SocketAddr:
@@ -131,9 +143,12 @@ def bind_listener(
     reuse_port: bool = False,
     transparent: bool = False,
     backlog: int = 128,
+    options: Iterable[SockOpt] = (),
 ) -> socket.socket:
     """A non-blocking listening TCP socket. ``[::]`` is dual-stack; any other IPv6 address is
-    IPv6 only. ``family`` defaults to the address's."""
+    IPv6 only. ``family`` defaults to the address's. ``options`` are set before ``bind``: Linux
+    copies SO_MARK, TCP_NODELAY, SO_KEEPALIVE, TCP_KEEP* and TCP_USER_TIMEOUT from a listening
+    socket to each connection it accepts, so they cost no syscall per connection."""
     if family is None:
         family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -145,6 +160,8 @@ def bind_listener(
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if addr[0] == "::" else 1)
         if transparent:
             set_transparent(sock, family)
+        for level, name, value in options:
+            sock.setsockopt(level, name, value)
         sock.bind(addr)
         sock.listen(backlog)
         sock.setblocking(False)
