@@ -146,6 +146,13 @@ class App:
         cfg = self.config
         log.info("ztunnel %s starting, mode=%s", __version__, cfg.proxy_mode.value)
         log.info("effective config: %s", cfg.summary())
+        if cfg.proxy_mode is ProxyMode.SHARED:  # setns and SO_MARK work, or stop now (as Rust)
+            from ztunnel.inpod.capabilities import CapabilityError, verify_syscalls
+
+            try:
+                verify_syscalls()
+            except CapabilityError as e:
+                raise StartupError(str(e)) from None
         proxy_ready = self.readiness.register("proxy")
         self.load_local_config()
         try:

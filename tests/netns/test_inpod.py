@@ -461,3 +461,48 @@ def test_accepted_connections_carry_keepalive_and_the_mark() -> None:
         finally:
             for s in held:
                 s.close()
+
+
+@pytest.mark.parametrize(
+    ("drop", "error"),
+    [
+        (
+            "-net_admin,-net_raw",
+            "failed to set socket mark: failed to set mark on socket. make sure ztunnel has "
+            'CAP_NET_RAW, CAP_NET_ADMIN. error: Os { code: 1, kind: PermissionDenied, message: "',
+        ),
+        ("-sys_admin", 'failed to set netns: Os { code: 1, kind: PermissionDenied, message: "'),
+    ],
+)
+def test_shared_mode_without_its_capabilities_fails_at_start(drop: str, error: str) -> None:
+    """Without CAP_NET_ADMIN and CAP_NET_RAW (SO_MARK) or CAP_SYS_ADMIN (setns), a shared-mode
+    ztunnel exits at start with Rust's message (WorkloadProxyManager::verify_syscalls) instead
+    of starting and NACKing the node agent's pods one by one. The capabilities leave the
+    bounding set (setpriv), so the exec'd interpreter, root or not, never has them."""
+    import subprocess
+    import sys
+
+    from ztunnel.testing.netns import _PROJECT_ROOT
+
+    with cluster() as cl:
+        agent = cl.agent(cl.n1)
+        agent.put_pod("uid-c1", info(cl.c1), cl.c1)
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("PROXY_", "LOCAL_XDS"))},
+            **cl.env,
+            "NODE_NAME": cl.n1.name,
+            "INPOD_UDS": cl.uds(cl.n1),
+            "PYTHONPATH": _PROJECT_ROOT,
+            "LOG_FORMAT": "plain",
+        }
+        proc = cl.n1.popen(
+            *("setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}"),
+            *(sys.executable, "-m", "ztunnel", "proxy", "ztunnel"),
+            env=env,
+            stderr=subprocess.STDOUT,
+        )
+        out, _ = proc.popen.communicate(timeout=30)
+        text = out.decode(errors="replace")
+        assert proc.popen.returncode == 1, text
+        assert f"failed to start: failed to start workload proxy manager {error}" in text, text
+        assert not agent.all_connections  # it never got as far as the node agent
