@@ -177,6 +177,9 @@ class Config:
     h2_max_early_resets: int = 200  # ZTUNNEL_H2_MAX_EARLY_RESETS (rapid reset)
     h2_max_continuations: int = 32  # ZTUNNEL_H2_MAX_CONTINUATIONS (per header block)
     fd_reserve: int | None = None  # ZTUNNEL_FD_RESERVE: fds kept free (None: 10%, 32..1024)
+    # ZTUNNEL_COPY_BUDGET: bytes the node's data plane may hold in splice pipes and large copy
+    # buffers at once, split evenly over the workers (net/copy.PipePool, DEFAULT_BUDGET there).
+    copy_budget: int = 32 << 20
 
     # DNS proxy (istio/ztunnel src/config.rs): ISTIO_META_DNS_CAPTURE (on unless set to anything
     # but "true", any case), ISTIO_META_DNS_PROXY_ADDR ("localhost:<port>" = 127.0.0.1 and, where
@@ -594,6 +597,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         fd_reserve=(
             e.integer("ZTUNNEL_FD_RESERVE", 0, 0, 10**7) if e.opt("ZTUNNEL_FD_RESERVE") else None
         ),
+        copy_budget=e.integer("ZTUNNEL_COPY_BUDGET", 32 << 20, 1 << 20, 1 << 40),
         dns_proxy=dns_proxy,
         dns_proxy_addr=dns_proxy_addr,
         dns_resolv_conf=Path(e.get("ZTUNNEL_DNS_RESOLV_CONF") or "/etc/resolv.conf"),
