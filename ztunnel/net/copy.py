@@ -154,7 +154,7 @@ class PipePoolStats:
     budget: int = 0
     """This pool's budget in bytes."""
     small_in_use: int = 0
-    """Pipes out at the small size (a direction gets a large one once it moved a full small one)."""
+    """Pipes out at the small size (a direction gets a large one once it moves bulk)."""
 
 
 class PipePool:
@@ -166,8 +166,8 @@ class PipePool:
     closed too. Not thread-safe: use one pool per event loop.
 
     Sizes, per connection to what it moves: a direction first gets a ``small_size`` pipe (64 KiB,
-    the kernel's default: no ``F_SETPIPE_SZ``), and a ``pipe_size`` one (1 MiB) once it filled a
-    small one in one splice, i.e. moves bulk. On the in-pod benchmark path (iperf3, proxy CPU per
+    the kernel's default: no ``F_SETPIPE_SZ``), and a ``pipe_size`` one (1 MiB) once it moves bulk
+    (``get(bulk=True)``: it delivered 4 MiB and still fills a small pipe in one splice). On the in-pod benchmark path (iperf3, proxy CPU per
     byte) 64 KiB pipes cost about twice the CPU per GiB of 1 MiB pipes, 256 KiB ~1.3x, 512 KiB
     ~1.1x, 2 and 4 MiB the same as 1 MiB; request/response traffic never fills a small one.
 
@@ -299,15 +299,8 @@ class PipePool:
         """Give back a pipe the caller knows to be empty."""
         self._returned(pipe)
         idle = self._idle_small if pipe[2] == self._small_size else self._idle
-        if (
-            self._closed
-            or len(idle) >= self._max_idle
-            or pipe[2]
-            not in (
-                self._small_size,
-                self._pipe_size,
-            )
-        ):
+        odd = pipe[2] != self._small_size and pipe[2] != self._pipe_size  # (its resize failed)
+        if self._closed or odd or len(idle) >= self._max_idle:
             _close_pipe(pipe)
         else:
             idle.append(pipe)
