@@ -72,9 +72,10 @@ _BUFFERED_ROUNDS = 8
 # reads look like request/response traffic, where the extra read would just hit EAGAIN.
 _SPECULATE_MIN = 64 * 1024
 
-# A splice direction gets a large pipe once it has delivered this much and still fills a small
-# pipe in one splice: bulk. A destination that stopped reading delivered little (its receive
-# window and our send buffer), so it parks bytes in a small pipe, not a large one.
+# A splice direction gets a large pipe once it has delivered this much: bulk. A destination that
+# stopped reading delivered little (its receive window and our send buffer), so it parks bytes in
+# a small pipe, not a large one. (Not "filled a small pipe in one splice": a pipe's 16 slots take
+# one socket buffer fragment each, so over a 1448-byte MSS path a full small pipe holds ~50 KiB.)
 _BULK_MOVED = 4 * 1024 * 1024
 
 # Buffered path sizes, from istio/ztunnel src/copy.rs (the -64 leaves room for TLS/h2 framing):
@@ -167,7 +168,7 @@ class PipePool:
 
     Sizes, per connection to what it moves: a direction first gets a ``small_size`` pipe (64 KiB,
     the kernel's default: no ``F_SETPIPE_SZ``), and a ``pipe_size`` one (1 MiB) once it moves bulk
-    (``get(bulk=True)``: it delivered 4 MiB and still fills a small pipe in one splice). On the in-pod benchmark path (iperf3, proxy CPU per
+    (``get(bulk=True)``: it delivered 4 MiB). On the in-pod benchmark path (iperf3, proxy CPU per
     byte) 64 KiB pipes cost about twice the CPU per GiB of 1 MiB pipes, 256 KiB ~1.3x, 512 KiB
     ~1.1x, 2 and 4 MiB the same as 1 MiB; request/response traffic never fills a small one.
 
@@ -577,7 +578,7 @@ class _SpliceDirection(_Direction):
                 pool.put(pipe)
                 self._finish_eof()
                 return
-            if n == chunk and self.moved >= _BULK_MOVED:
+            if self.moved >= _BULK_MOVED:
                 self._bulk = True
             try:
                 m = splice(r, dst_fd, n, None, None, _SPLICE_FLAGS)
