@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 # istioctl's config_dump decoder (tests/golden/istioctl) and `go tool pprof` for the profiles.
 # tmux: a real terminal for `ztunnel top`.
 # bind9-dnsutils (dig), dnsmasq-base (the binary only: no service, never touches the host's
-# resolver), dnsperf: the DNS proxy's tests and benchmark.
+# resolver), dnsperf: the DNS proxy's tests and benchmark. util-linux (setpriv): a ztunnel
+# started without capabilities (the in-pod start-up check's test).
 APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl golang-go tmux
-  bind9-dnsutils dnsmasq-base dnsperf)
+  bind9-dnsutils dnsmasq-base dnsperf util-linux)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

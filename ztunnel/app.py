@@ -158,6 +158,13 @@ class App:
         if not cfg.enable_proxy:  # (ProxyInstance binds its DNS companion alone)
             log.info("ENABLE_PROXY=false: no proxy listeners, the DNS proxy only")
         log.info("effective config: %s", cfg.summary())
+        if cfg.proxy_mode is ProxyMode.SHARED:  # setns and SO_MARK work, or stop now (as Rust)
+            from ztunnel.inpod.capabilities import CapabilityError, verify_syscalls
+
+            try:
+                verify_syscalls()
+            except CapabilityError as e:
+                raise StartupError(str(e)) from None
         proxy_ready = self.readiness.register("proxy")
         self.load_local_config()
         try:

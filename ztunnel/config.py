@@ -197,6 +197,9 @@ class Config:
     # ZTUNNEL_STATE_MAX_BYTES (Python-only): the most the shared state store (ztunnel/state/
     # shared.py, a file in $TMPDIR) may hold; xDS that would not fit is NACKed, nothing applied.
     state_max_bytes: int = 2 << 30
+    # ZTUNNEL_COPY_BUDGET: bytes the node's data plane may hold in splice pipes and large copy
+    # buffers at once, split evenly over the workers (net/copy.PipePool, DEFAULT_BUDGET there).
+    copy_budget: int = 32 << 20
 
     # DNS proxy (istio/ztunnel src/config.rs): ISTIO_META_DNS_CAPTURE (on unless set to anything
     # but "true", any case), ISTIO_META_DNS_PROXY_ADDR ("localhost:<port>" = 127.0.0.1 and, where
@@ -753,6 +756,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
             if e.opt("ZTUNNEL_FD_RESERVE") is not None
             else None
         ),
+        copy_budget=e.integer("ZTUNNEL_COPY_BUDGET", 32 << 20, 1 << 20, 1 << 40),
         dns_proxy=dns_proxy,
         dns_proxy_addr=dns_proxy_addr,
         dns_resolv_conf=Path(e.get("ZTUNNEL_DNS_RESOLV_CONF") or "/etc/resolv.conf"),

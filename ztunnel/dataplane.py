@@ -79,7 +79,9 @@ class DataPlane:
         self.state = state
         self.secrets = secrets
         self.crl = crl
-        self.pipes = PipePool() if config.copy_mode is CopyMode.SPLICE else None
+        # The node's copy budget, split evenly over the worker processes (ARCHITECTURE "Workers").
+        budget = config.copy_budget // max(1, config.num_worker_threads)
+        self.pipes = PipePool(budget=budget) if config.copy_mode is CopyMode.SPLICE else None
         self.metrics = Metrics(
             registry,
             inpod=config.proxy_mode is ProxyMode.SHARED and build_info,

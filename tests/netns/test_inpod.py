@@ -3,8 +3,10 @@ pod's network namespace; pods added and deleted, agent and ztunnel restarts, upg
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import selectors
 import socket
 import tempfile
 import threading
@@ -349,3 +351,158 @@ def test_a_killed_worker_comes_back_serving_every_pod() -> None:
         finally:
             for s in held:
                 s.close()
+
+
+def hold_connections(
+    src: Pod, ip: str, port: int, n: int, *, inflight: int = 200, answer_within: float = 5.0
+) -> tuple[collections.Counter[str], list[socket.socket]]:
+    """Open ``n`` connections from ``src`` to ``ip:port``, each echoing one line, and keep every
+    one open; at most ``inflight`` unanswered at once, each given ``answer_within`` seconds.
+    Returns the outcomes ("ok", or what went wrong) and the sockets (the caller closes them)."""
+    from ztunnel.testing.apps import socket_in
+
+    sel = selectors.DefaultSelector()
+    outcomes: collections.Counter[str] = collections.Counter()
+    socks: list[socket.socket] = []
+    waiting: dict[socket.socket, float] = {}  # -> deadline
+
+    def done(s: socket.socket, outcome: str) -> None:
+        sel.unregister(s)
+        del waiting[s]
+        outcomes[outcome] += 1
+
+    try:
+        while len(socks) < n or waiting:
+            while len(socks) < n and len(waiting) < inflight:
+                s = socket_in(src)
+                s.setblocking(False)
+                socks.append(s)
+                s.connect_ex((ip, port))
+                sel.register(s, selectors.EVENT_WRITE, "connecting")
+                waiting[s] = time.monotonic() + answer_within
+            for key, _ in sel.select(0.2):
+                s = key.fileobj
+                assert isinstance(s, socket.socket)
+                if key.data == "connecting":
+                    if err := s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        done(s, f"connect: {os.strerror(err)}")
+                        continue
+                    s.send(b"hi\n")
+                    sel.modify(s, selectors.EVENT_READ, "reading")
+                    continue
+                try:
+                    done(s, "ok" if s.recv(16) == b"hi\n" else "closed")
+                except OSError as e:
+                    done(s, f"recv: {e.strerror}")
+            now = time.monotonic()
+            for s, deadline in list(waiting.items()):
+                if now > deadline:
+                    done(s, f"no answer ({sel.get_key(s).data})")  # connecting / reading
+    finally:
+        sel.close()
+    return outcomes, socks
+
+
+def test_thousands_of_concurrent_plaintext_inbound_connections_all_succeed() -> None:
+    """5,000 connections held open at once from a client outside the mesh into s1's 15006,
+    the client's source IP spoofed on the way to the app: every one is answered.
+
+    Both the client and ztunnel's upstream leave from the client's IP to the same app port, and
+    the pod's conntrack holds both flows: the client's (redirected to 15006) and ztunnel's
+    upstream (marked, not redirected). Two with the same ports are one conntrack entry: the
+    client's SYN goes to the app's established socket and is never answered (SYN-SENT), or
+    ztunnel's is redirected to 15006. The kernel picks ports for connect() even first, for
+    bind(ip, 0) odd first; ztunnel's upstream is bound to (client IP, 0) as in Rust's
+    freebind_connect, so it never picks a port the client's connect() uses. With the port
+    picked at connect (IP_BIND_ADDRESS_NO_PORT, before) about 6% of these hung."""
+    with cluster() as cl:
+        cl.start()  # c2 is not enrolled: its traffic reaches s1 in plaintext
+        outcomes, socks = hold_connections(cl.c2, cl.s1.ip4, 8080, 5000)
+        try:
+            assert outcomes == {"ok": 5000}, outcomes
+            # All still open at once and working: one more line on each.
+            for s in socks:
+                s.setblocking(True)
+                s.settimeout(5)
+                s.sendall(b"again\n")
+            assert all(recv_line(s) == "again" for s in socks)
+        finally:
+            for s in socks:
+                s.close()
+
+
+def accepted_on(pod: Pod, port: int) -> list[str]:
+    """``ss -tnoe`` rows of the connections accepted on ``port`` in ``pod``."""
+    return pod.run("ss", "-Htnoe", "state", "established", f"sport = :{port}").stdout.splitlines()
+
+
+def test_accepted_connections_carry_keepalive_and_the_mark() -> None:
+    """Connections accepted on 15001 and 15006 get TCP keepalive (KEEPALIVE_TIME, 180 s), as
+    Rust's socket::Listener::accept sets it on those two (15008 has HTTP/2 PINGs instead), and
+    every accepted connection carries ztunnel's mark 0x539, as Rust's in-pod socket factory
+    marks its listening sockets (istio-cni's rules tell ztunnel's own packets by it). Both are
+    set once on the listening socket and inherited by each connection."""
+    with cluster() as cl:
+        cl.start()
+        held = [connect_from(cl.c1, cl.s1.ip4, 8080), connect_from(cl.c2, cl.s1.ip4, 8080)]
+        try:
+            for s in held:  # through 15001 -> HBONE 15008, and plaintext into 15006
+                s.sendall(b"ping\n")
+                assert recv_line(s) == "ping"
+            rows = {
+                15001: accepted_on(cl.c1, 15001),
+                15006: accepted_on(cl.s1, 15006),
+                15008: accepted_on(cl.s1, 15008),
+            }
+            assert all(len(r) == 1 for r in rows.values()), rows
+            for port, [row] in rows.items():
+                assert "fwmark:0x539" in row, (port, row)
+                assert ("timer:(keepalive," in row) is (port != 15008), (port, row)
+        finally:
+            for s in held:
+                s.close()
+
+
+@pytest.mark.parametrize(
+    ("drop", "error"),
+    [
+        (
+            "-net_admin,-net_raw",
+            "failed to set socket mark: failed to set mark on socket. make sure ztunnel has "
+            'CAP_NET_RAW, CAP_NET_ADMIN. error: Os { code: 1, kind: PermissionDenied, message: "',
+        ),
+        ("-sys_admin", 'failed to set netns: Os { code: 1, kind: PermissionDenied, message: "'),
+    ],
+)
+def test_shared_mode_without_its_capabilities_fails_at_start(drop: str, error: str) -> None:
+    """Without CAP_NET_ADMIN and CAP_NET_RAW (SO_MARK) or CAP_SYS_ADMIN (setns), a shared-mode
+    ztunnel exits at start with Rust's message (WorkloadProxyManager::verify_syscalls) instead
+    of starting and NACKing the node agent's pods one by one. The capabilities leave the
+    bounding set (setpriv), so the exec'd interpreter, root or not, never has them."""
+    import subprocess
+    import sys
+
+    from ztunnel.testing.netns import _PROJECT_ROOT
+
+    with cluster() as cl:
+        agent = cl.agent(cl.n1)
+        agent.put_pod("uid-c1", info(cl.c1), cl.c1)
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("PROXY_", "LOCAL_XDS"))},
+            **cl.env,
+            "NODE_NAME": cl.n1.name,
+            "INPOD_UDS": cl.uds(cl.n1),
+            "PYTHONPATH": _PROJECT_ROOT,
+            "LOG_FORMAT": "plain",
+        }
+        proc = cl.n1.popen(
+            *("setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}"),
+            *(sys.executable, "-m", "ztunnel", "proxy", "ztunnel"),
+            env=env,
+            stderr=subprocess.STDOUT,
+        )
+        out, _ = proc.popen.communicate(timeout=30)
+        text = out.decode(errors="replace")
+        assert proc.popen.returncode == 1, text
+        assert f"failed to start: failed to start workload proxy manager {error}" in text, text
+        assert not agent.all_connections  # it never got as far as the node agent

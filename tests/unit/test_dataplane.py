@@ -64,3 +64,19 @@ def test_a_bad_crl_file_is_a_data_plane_error(tmp_path: object) -> None:
     bad.write_bytes(b"not a CRL")
     with pytest.raises(DataPlaneError, match="CRL_PATH"):
         tls_policy(replace(Config(), crl_path=bad), CollectorRegistry())
+
+
+@pytest.mark.parametrize(("workers", "share"), [(1, 32 << 20), (2, 16 << 20), (8, 4 << 20)])
+async def test_each_process_gets_its_share_of_the_node_copy_budget(
+    workers: int, share: int
+) -> None:
+    """ZTUNNEL_COPY_BUDGET bounds the whole node: each of N worker processes' pipe pools gets
+    budget/N (ARCHITECTURE "Workers")."""
+    cfg = Config.from_env({"ZTUNNEL_WORKER_THREADS": str(workers), "PROXY_MODE": "shared"})
+    assert cfg.copy_budget == 32 << 20
+    secrets = SecretManager(LocalCA.ephemeral(trust_domain="cluster.local"))
+    dp = DataPlane(cfg, State(), secrets, CollectorRegistry(), tag="t")
+    assert dp.pipes is not None and dp.pipes.stats().budget == share
+    await dp.close()
+    half = Config.from_env({"ZTUNNEL_COPY_BUDGET": str(8 << 20)})
+    assert half.copy_budget == 8 << 20

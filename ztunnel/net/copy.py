@@ -14,6 +14,7 @@ Invariants:
   ``PipePool`` as soon as it is empty (idle connections hold no pipes). A pipe that still holds data
   when a session ends is closed, never returned. Buffered path: likewise, a direction holds a read
   buffer only while data flows (except 256 KiB buffers of flows past 10 MiB, kept like ztunnel's).
+  Pipes out and those 256 KiB buffers count against the pool's budget (``PipePool``).
 * Runs on any asyncio loop that implements ``add_reader``/``add_writer`` (stdlib selector loop, uvloop).
   No module-level state: the pipe pool is built by the caller (composition root) and passed in.
 """
@@ -41,10 +42,16 @@ __all__ = [
     "copy_bidirectional",
 ]
 
-Pipe: TypeAlias = tuple[int, int]
-"""A pipe as ``(read_fd, write_fd)``, both non-blocking and close-on-exec."""
+Pipe: TypeAlias = tuple[int, int, int]
+"""A pipe as ``(read_fd, write_fd, capacity)``, both fds non-blocking and close-on-exec."""
+
+DEFAULT_BUDGET = 32 << 20
+"""What a whole node's data plane may hold in pipes and large buffers at once (``ZTUNNEL_COPY_BUDGET``);
+each of N worker processes gets ``budget // N``."""
+SMALL_PIPE = 64 << 10  # the kernel's default pipe capacity (16 pages): no F_SETPIPE_SZ needed
 
 _F_SETPIPE_SZ: int = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_F_GETPIPE_SZ: int = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 _PIPE_MAX_SIZE_PATH = "/proc/sys/fs/pipe-max-size"
 
 # SPLICE_F_MOVE is only a hint (mostly a no-op) but costs nothing. SPLICE_F_NONBLOCK makes the pipe
@@ -64,6 +71,12 @@ _BUFFERED_ROUNDS = 8
 # paced 3 Gbit/s this halved our epoll wakeups (6084 -> 2614 in 3 s, HAProxy: 2196-3200). Smaller
 # reads look like request/response traffic, where the extra read would just hit EAGAIN.
 _SPECULATE_MIN = 64 * 1024
+
+# A splice direction gets a large pipe once it has delivered this much: bulk. A destination that
+# stopped reading delivered little (its receive window and our send buffer), so it parks bytes in
+# a small pipe, not a large one. (Not "filled a small pipe in one splice": a pipe's 16 slots take
+# one socket buffer fragment each, so over a 1448-byte MSS path a full small pipe holds ~50 KiB.)
+_BULK_MOVED = 4 * 1024 * 1024
 
 # Buffered path sizes, from istio/ztunnel src/copy.rs (the -64 leaves room for TLS/h2 framing):
 # 16 KiB - 64, then 256 KiB - 64 once a direction moved 10 MiB. See _BufferedDirection for why
@@ -134,56 +147,83 @@ class PipePoolStats:
     create_failed: int
     """``pipe2`` failures (EMFILE/ENFILE); each made a session fall back to the buffered copy."""
     limited: int = 0
-    """``get()`` refusals because ``max_in_use`` pipes were out (each direction then copies with
-    buffers): a pipe stays out while its destination does not read, so stuck connections would
+    """``get()`` refusals because the budget was spent (that direction then copies with a 16 KiB
+    buffer): a pipe stays out while its destination does not read, so stuck connections would
     otherwise pin a pipe (2 fds, up to ``size`` bytes of kernel memory) each."""
+    held: int = 0
+    """Bytes of the budget in use: the capacity of every pipe out plus the large buffers."""
+    budget: int = 0
+    """This pool's budget in bytes."""
+    small_in_use: int = 0
+    """Pipes out at the small size (a direction gets a large one once it moves bulk)."""
 
 
 class PipePool:
     """A pool of non-blocking pipes for the splice path; built once by the composition root.
 
-    ``get()`` hands out an empty pipe (creating one, sized to ``pipe_size`` with ``F_SETPIPE_SZ``, when
-    none is idle); ``put()`` takes back an *empty* pipe, keeping at most ``max_idle`` of them;
-    ``discard()`` closes a pipe that may hold data. ``close()`` closes the idle pipes; pipes given
-    back after that are closed too. Not thread-safe: use one pool per event loop.
+    ``get()`` hands out an empty pipe (creating one when none of that size is idle); ``put()``
+    takes back an *empty* pipe, keeping at most ``max_idle`` of each size; ``discard()`` closes a
+    pipe that may hold data. ``close()`` closes the idle pipes; pipes given back after that are
+    closed too. Not thread-safe: use one pool per event loop.
 
-    Sizing: an unprivileged user may hold at most ``fs.pipe-user-pages-soft`` pages of pipe capacity
-    (64 MiB by default = 64 pipes of 1 MiB, idle ones included). Past that ``F_SETPIPE_SZ`` fails and
-    the pipe keeps its default size (counted in ``stats().resize_failed``); CAP_SYS_ADMIN or
-    CAP_SYS_RESOURCE exempt a process. ``max_in_use`` bounds the pipes out at once (a pipe whose
-    destination stopped reading stays out): past it ``get()`` refuses (``OSError(EAGAIN)``) and that
-    direction copies with buffers. Separately, no pipe may exceed ``fs.pipe-max-size`` (1 MiB by
-    default) without CAP_SYS_RESOURCE: when ``pipe_size`` is refused for that reason the pool shrinks
-    to that limit once, for good, rather than leave every pipe at the 64 KiB default. The size
-    matters: on the in-pod benchmark path (iperf3, splice, proxy CPU per byte) 64 KiB pipes cost
-    about twice the CPU per GiB of 1 MiB pipes, 256 KiB ~1.3x, 512 KiB ~1.1x; 2 and 4 MiB measured
-    the same as 1 MiB.
+    Sizes, per connection to what it moves: a direction first gets a ``small_size`` pipe (64 KiB,
+    the kernel's default: no ``F_SETPIPE_SZ``), and a ``pipe_size`` one (1 MiB) once it moves bulk
+    (``get(bulk=True)``: it delivered 4 MiB). On the in-pod benchmark path (iperf3, proxy CPU per
+    byte) 64 KiB pipes cost about twice the CPU per GiB of 1 MiB pipes, 256 KiB ~1.3x, 512 KiB
+    ~1.1x, 2 and 4 MiB the same as 1 MiB; request/response traffic never fills a small one.
+
+    Budget: a pipe out of the pool (a pipe whose destination stopped reading stays out, holding
+    up to its capacity of kernel memory) counts its capacity against ``budget`` bytes, and so do
+    large copy buffers (:meth:`reserve`). Past it, a bulk direction gets a small pipe, and when
+    not even that fits, ``get()`` refuses (``OSError(EAGAIN)``) and the direction copies with a
+    16 KiB buffer: what peers can pin in this pool is ``budget`` plus that per connection, each of
+    which costs them a connection (fds are budgeted in ``net/fdbudget.py``).
+
+    An unprivileged user may hold at most ``fs.pipe-user-pages-soft`` pages of pipe capacity (64
+    MiB by default). Past that ``F_SETPIPE_SZ`` fails and the pipe keeps its default size
+    (``stats().resize_failed``); CAP_SYS_ADMIN or CAP_SYS_RESOURCE exempt a process. No pipe may
+    exceed ``fs.pipe-max-size`` (1 MiB by default) without CAP_SYS_RESOURCE: when ``pipe_size`` is
+    refused for that reason the pool shrinks to that limit once, for good.
     """
 
     __slots__ = (
+        "_budget",
         "_closed",
         "_create_failed",
         "_created",
+        "_held",
         "_idle",
+        "_idle_small",
         "_in_use",
         "_limited",
         "_max_idle",
-        "_max_in_use",
         "_pipe_size",
         "_resize_failed",
+        "_small_in_use",
+        "_small_size",
     )
 
-    def __init__(self, pipe_size: int = 1 << 20, max_idle: int = 32, max_in_use: int = 64) -> None:
-        if pipe_size <= 0:
-            raise ValueError(f"pipe_size must be positive, got {pipe_size}")
+    def __init__(
+        self,
+        pipe_size: int = 1 << 20,
+        max_idle: int = 32,
+        budget: int = DEFAULT_BUDGET,
+        small_size: int = SMALL_PIPE,
+    ) -> None:
+        if pipe_size <= 0 or small_size <= 0:
+            raise ValueError(f"pipe sizes must be positive, got {pipe_size}, {small_size}")
         if max_idle < 0:
             raise ValueError(f"max_idle must be >= 0, got {max_idle}")
         self._pipe_size = pipe_size
+        self._small_size = min(small_size, pipe_size)
         self._max_idle = max_idle
-        self._max_in_use = max_in_use
+        self._budget = budget
+        self._held = 0
         self._limited = 0
         self._idle: list[Pipe] = []
+        self._idle_small: list[Pipe] = []
         self._in_use = 0
+        self._small_in_use = 0
         self._created = 0
         self._resize_failed = 0
         self._create_failed = 0
@@ -191,34 +231,47 @@ class PipePool:
 
     @property
     def pipe_size(self) -> int:
-        """The size requested for each new pipe (``fs.pipe-max-size`` if the requested size was
-        refused for exceeding it); also the byte count of each socket->pipe splice."""
+        """The size requested for each new large pipe (``fs.pipe-max-size`` if the requested size
+        was refused for exceeding it)."""
         return self._pipe_size
 
-    def get(self) -> Pipe:
-        """Return an empty pipe; raises ``OSError`` (EMFILE, ENFILE, ...) if none can be created,
-        or EAGAIN when ``max_in_use`` are out already."""
-        if self._in_use >= self._max_in_use:
-            self._limited += 1
-            raise OSError(errno.EAGAIN, "too many pipes in use")
-        idle = self._idle
-        if idle:
-            self._in_use += 1
-            return idle.pop()
+    def get(self, bulk: bool = True) -> Pipe:
+        """An empty pipe: ``pipe_size`` for a ``bulk`` direction while the budget allows, else
+        ``small_size``. Raises ``OSError`` (EMFILE, ENFILE, ...) if none can be created, or
+        EAGAIN when not even a small one fits in the budget."""
+        small = self._small_size
+        size = self._pipe_size if bulk else small
+        if self._held + size > self._budget:
+            if size == small or self._held + small > self._budget:
+                self._limited += 1
+                raise OSError(errno.EAGAIN, "pipe budget spent")
+            size = small
+        idle = self._idle_small if size == small else self._idle
+        pipe = idle.pop() if idle else self._create(size)
+        self._held += pipe[2]
+        self._in_use += 1
+        if pipe[2] == small:
+            self._small_in_use += 1
+        return pipe
+
+    def _create(self, size: int) -> Pipe:
         try:
             r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             self._create_failed += 1
             raise
         self._created += 1
-        try:
-            fcntl.fcntl(w, _F_SETPIPE_SZ, self._pipe_size)
-        except OSError:
-            if not self._shrink_to_limit(w):
-                # EPERM past pipe-user-pages-soft (non-root): a small pipe still works, just slower.
-                self._resize_failed += 1
-        self._in_use += 1
-        return r, w
+        if size != SMALL_PIPE:  # (a new pipe has the default capacity already)
+            try:
+                fcntl.fcntl(w, _F_SETPIPE_SZ, size)
+            except OSError:
+                if self._shrink_to_limit(w):
+                    size = self._pipe_size
+                else:
+                    # EPERM past pipe-user-pages-soft (non-root): a smaller pipe still works.
+                    self._resize_failed += 1
+                    size = fcntl.fcntl(w, _F_GETPIPE_SZ)
+        return r, w, size
 
     def _shrink_to_limit(self, w: int) -> bool:
         """``pipe_size`` was refused: if it is above ``fs.pipe-max-size``, size the pipe to that limit
@@ -237,35 +290,59 @@ class PipePool:
         self._pipe_size = limit
         return True
 
+    def _returned(self, pipe: Pipe) -> None:
+        self._in_use -= 1
+        self._held -= pipe[2]
+        if pipe[2] == self._small_size:
+            self._small_in_use -= 1
+
     def put(self, pipe: Pipe) -> None:
         """Give back a pipe the caller knows to be empty."""
-        self._in_use -= 1
-        if self._closed or len(self._idle) >= self._max_idle:
+        self._returned(pipe)
+        idle = self._idle_small if pipe[2] == self._small_size else self._idle
+        odd = pipe[2] != self._small_size and pipe[2] != self._pipe_size  # (its resize failed)
+        if self._closed or odd or len(idle) >= self._max_idle:
             _close_pipe(pipe)
         else:
-            self._idle.append(pipe)
+            idle.append(pipe)
 
     def discard(self, pipe: Pipe) -> None:
         """Give back a pipe that may still hold data: it is closed, never reused."""
-        self._in_use -= 1
+        self._returned(pipe)
         _close_pipe(pipe)
+
+    def reserve(self, n: int) -> bool:
+        """Take ``n`` bytes of the budget for a large copy buffer; False if they do not fit."""
+        if self._held + n > self._budget:
+            self._limited += 1
+            return False
+        self._held += n
+        return True
+
+    def release(self, n: int) -> None:
+        """Give back what :meth:`reserve` took."""
+        self._held -= n
 
     def close(self) -> None:
         """Close every idle pipe; pipes still in use are closed when given back."""
         self._closed = True
-        idle, self._idle = self._idle, []
+        idle, self._idle = self._idle + self._idle_small, []
+        self._idle_small = []
         for pipe in idle:
             _close_pipe(pipe)
 
     def stats(self) -> PipePoolStats:
         return PipePoolStats(
-            idle=len(self._idle),
+            idle=len(self._idle) + len(self._idle_small),
             in_use=self._in_use,
             created=self._created,
             resize_failed=self._resize_failed,
             create_failed=self._create_failed,
             size=self._pipe_size,
             limited=self._limited,
+            held=self._held,
+            budget=self._budget,
+            small_in_use=self._small_in_use,
         )
 
     def __repr__(self) -> str:
@@ -273,7 +350,7 @@ class PipePool:
 
 
 def _close_pipe(pipe: Pipe) -> None:
-    for fd in pipe:
+    for fd in pipe[:2]:
         with contextlib.suppress(OSError):
             os.close(fd)
 
@@ -422,16 +499,16 @@ class _Direction:
 class _SpliceDirection(_Direction):
     """socket -> pipe -> socket with ``os.splice``; holds a pipe only while bytes are in it."""
 
-    __slots__ = ("_chunk", "_in_pipe", "_pipe", "_pool")
+    __slots__ = ("_bulk", "_in_pipe", "_pipe", "_pool")
 
     def __init__(
         self, session: _Session, src: socket.socket, dst: socket.socket, fwd: bool, pool: PipePool
     ) -> None:
         super().__init__(session, src, dst, fwd)
         self._pool = pool
-        self._chunk = pool.pipe_size
         self._pipe: Pipe | None = None
         self._in_pipe = 0
+        self._bulk = False  # moves bulk: gets a large pipe from then on
 
     # The hot path. The loop calls _pump directly and counting is inlined: perf shows the same
     # kernel profile as HAProxy's splice path, so interpreter time is the only extra cost.
@@ -466,16 +543,16 @@ class _SpliceDirection(_Direction):
         pipe = self._pipe
         if pipe is None:
             try:
-                pipe = pool.get()
+                pipe = pool.get(self._bulk)
             except OSError:
-                # Out of fds (EMFILE/ENFILE): keep the connection, copy this direction with buffers.
+                # Out of fds (EMFILE/ENFILE) or of the pipe budget: keep the connection, copy
+                # this direction with buffers.
                 self._session.fall_back_to_buffered(self)
                 return
             self._pipe = pipe
-        r, w = pipe
+        r, w, chunk = pipe
         src_fd = self._src_fd
         dst_fd = self._dst_fd
-        chunk = self._chunk
         splice = os.splice
         rounds = _SPLICE_ROUNDS
         # Invariant: the pipe is empty here, so EAGAIN from socket->pipe means "socket empty", never
@@ -501,6 +578,8 @@ class _SpliceDirection(_Direction):
                 pool.put(pipe)
                 self._finish_eof()
                 return
+            if self.moved >= _BULK_MOVED:
+                self._bulk = True
             try:
                 m = splice(r, dst_fd, n, None, None, _SPLICE_FLAGS)
             except BlockingIOError:
@@ -558,7 +637,7 @@ class _BufferedDirection(_Direction):
     while idle, as ztunnel keeps its buffers: only connections that moved 10 MiB get one.
     """
 
-    __slots__ = ("_buf", "_end", "_recv_into", "_sent", "_sink", "_sink_send")
+    __slots__ = ("_buf", "_end", "_jumbo", "_recv_into", "_sent", "_sink", "_sink_send")
 
     def __init__(
         self,
@@ -575,6 +654,20 @@ class _BufferedDirection(_Direction):
         self._buf: memoryview | None = None
         self._sent = 0  # pending bytes are self._buf[self._sent:self._end]
         self._end = 0
+        self._jumbo = False  # holds a 256 KiB buffer (taken from the pipe pool's budget, if any)
+
+    def _may_grow(self) -> bool:
+        """Whether this direction may use (and keep) a 256 KiB buffer: it moved 10 MiB, and the
+        session's pipe pool, if any, has the budget for it (else it stays at 16 KiB)."""
+        if self._jumbo:
+            return True
+        if self.moved < _RESIZE_THRESHOLD_JUMBO:
+            return False
+        pool = self._session.pipes
+        if pool is not None and not pool.reserve(_JUMBO_BUFFER_SIZE):
+            return False
+        self._jumbo = True
+        return True
 
     def _on_readable(self) -> None:
         self._pump(False)
@@ -601,9 +694,7 @@ class _BufferedDirection(_Direction):
         Precondition: nothing pending in the buffer."""
         buf = self._buf
         if buf is None:
-            size = (
-                _JUMBO_BUFFER_SIZE if self.moved >= _RESIZE_THRESHOLD_JUMBO else _LARGE_BUFFER_SIZE
-            )
+            size = _JUMBO_BUFFER_SIZE if self._may_grow() else _LARGE_BUFFER_SIZE
             buf = self._buf = memoryview(bytearray(size))
         else:
             size = len(buf)
@@ -656,7 +747,7 @@ class _BufferedDirection(_Direction):
                 if size < _JUMBO_BUFFER_SIZE:
                     self._buf = None  # source looks drained: hold no buffer while idle
                 return
-            if size < _JUMBO_BUFFER_SIZE and self.moved >= _RESIZE_THRESHOLD_JUMBO:
+            if size < _JUMBO_BUFFER_SIZE and self._may_grow():
                 buf = self._buf = memoryview(bytearray(_JUMBO_BUFFER_SIZE))
                 size = _JUMBO_BUFFER_SIZE
 
@@ -670,6 +761,15 @@ class _BufferedDirection(_Direction):
 
     def _shutdown_dst(self) -> None:
         self._sink.shutdown_write()
+
+    def stop(self) -> None:
+        self._remove_callbacks()
+        if self._jumbo:
+            self._jumbo = False
+            self._buf = None
+            pool = self._session.pipes
+            if pool is not None:
+                pool.release(_JUMBO_BUFFER_SIZE)
 
     @property
     def _dst_is_socket(self) -> bool:
@@ -689,6 +789,7 @@ class _Session:
         "error",
         "error_side",
         "loop",
+        "pipes",
         "up",
     )
 
@@ -707,11 +808,13 @@ class _Session:
         self.error: OSError | None = None
         self.error_side: Side | None = None
         self.directions: list[_Direction] = []
+        self.pipes: PipePool | None = None
         self._moved = (0, 0)
         self._open = 2
 
     def start(self, pipes: PipePool | None) -> None:
         down, up = self.down, self.up
+        self.pipes = pipes
         if pipes is not None:
             self.directions = [
                 _SpliceDirection(self, down, up, True, pipes),

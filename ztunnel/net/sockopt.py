@@ -5,11 +5,12 @@ All functions work on plain ``socket.socket`` objects and raise OSError as the k
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import ipaddress
 import socket
 import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 
 from ztunnel.core.addr import IPAddr, SocketAddr, canonical_ip, parse_ip
@@ -21,7 +22,6 @@ IP_TRANSPARENT = 19
 IP_FREEBIND = 15
 IPV6_TRANSPARENT = 75
 IPV6_FREEBIND = 78
-IP_BIND_ADDRESS_NO_PORT = 24  # SOL_IP, for IPv4 and IPv6 sockets alike (Linux >= 4.2)
 SO_MARK = getattr(socket, "SO_MARK", 36)
 TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 
@@ -74,45 +74,58 @@ def set_mark(sock: socket.socket, mark: int | None) -> None:
 
 
 def set_transparent(sock: socket.socket, family: int) -> None:
-    """Allow binding a foreign address (spoofing the client's IP on the way to the app), with
-    the port chosen at ``connect()`` rather than at ``bind(ip, 0)``: at bind time the kernel
-    must find a port free for every destination, a search through every socket in TIME_WAIT
-    (as HAProxy does, with IP_BIND_ADDRESS_NO_PORT)."""
+    """Allow binding a foreign address (spoofing the client's IP on the way to the app).
+
+    A connecting socket is then bound to ``(ip, 0)`` and the kernel picks its port at bind time,
+    as Rust's ``freebind_connect`` does (no IP_BIND_ADDRESS_NO_PORT): bind(0) takes odd ports
+    first and connect() even ones, so our spoofed tuple never equals a live connection of a
+    client (which connect()s) to the same app port. A port picked at connect() would be even
+    like the client's, and a clash is two connections in one conntrack entry: the client's SYN
+    is delivered to the app's established socket instead of 15006 (it hangs in SYN-SENT), or
+    ours is redirected to 15006 (see tests/netns/test_inpod.py)."""
     if family == socket.AF_INET6:
         sock.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
         sock.setsockopt(SOL_IPV6, IPV6_FREEBIND, 1)
     else:
         sock.setsockopt(SOL_IP, IP_TRANSPARENT, 1)
         sock.setsockopt(SOL_IP, IP_FREEBIND, 1)
-    with contextlib.suppress(OSError):  # older kernels: the port is chosen at bind, as before
-        sock.setsockopt(SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
 
 
-def set_keepalive(
-    sock: socket.socket,
-    time: timedelta,
-    interval: timedelta,
-    retries: int,
-    user_timeout: bool = False,
-) -> None:
-    for level, name, value in keepalive_options(time, interval, retries, user_timeout):
-        sock.setsockopt(level, name, value)
+SockOpt = tuple[int, int, int]  # (level, option, value) for setsockopt
 
 
-def keepalive_options(
-    time: timedelta, interval: timedelta, retries: int, user_timeout: bool = False
-) -> list[tuple[int, int, int]]:
-    """The ``(level, option, value)`` triples :func:`set_keepalive` sets, in order."""
-    opts = [
-        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
-        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(time.total_seconds()))),
-        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(interval.total_seconds()))),
-        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, retries),
-    ]
-    if user_timeout:
-        ms = int((time + interval * retries).total_seconds() * 1000)
-        opts.append((socket.IPPROTO_TCP, TCP_USER_TIMEOUT, ms))
-    return opts
+@dataclass(frozen=True, slots=True)
+class SocketConfig:
+    """TCP keepalive and user timeout (Rust ``config::SocketConfig``, the same defaults): set on
+    every stream socket ztunnel dials and, through its listening socket, on every connection
+    accepted on 15001 and 15006 (Rust ``socket::Listener::accept``)."""
+
+    keepalive_enabled: bool = True
+    keepalive_time: timedelta = timedelta(seconds=180)
+    keepalive_interval: timedelta = timedelta(seconds=180)
+    keepalive_retries: int = 9
+    user_timeout_enabled: bool = False
+
+    def options(self) -> tuple[SockOpt, ...]:
+        """What Rust's ``DefaultSocketFactory::setup_socket`` sets, in order: keepalive when
+        enabled, and ``TCP_USER_TIMEOUT`` = time + retries x interval when enabled (with or
+        without keepalive)."""
+        opts: list[SockOpt] = []
+        if self.keepalive_enabled:
+            opts += [
+                (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _seconds(self.keepalive_time)),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _seconds(self.keepalive_interval)),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.keepalive_retries),
+            ]
+        if self.user_timeout_enabled:
+            timeout = self.keepalive_time + self.keepalive_interval * self.keepalive_retries
+            opts.append((socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(timeout.total_seconds() * 1000)))
+        return tuple(opts)
+
+
+def _seconds(d: timedelta) -> int:
+    return max(1, int(d.total_seconds()))
 
 
 def peer_addr(sock: socket.socket) -> SocketAddr:
@@ -130,9 +143,12 @@ def bind_listener(
     reuse_port: bool = False,
     transparent: bool = False,
     backlog: int = 128,
+    options: Iterable[SockOpt] = (),
 ) -> socket.socket:
     """A non-blocking listening TCP socket. ``[::]`` is dual-stack; any other IPv6 address is
-    IPv6 only. ``family`` defaults to the address's."""
+    IPv6 only. ``family`` defaults to the address's. ``options`` are set before ``bind``: Linux
+    copies SO_MARK, TCP_NODELAY, SO_KEEPALIVE, TCP_KEEP* and TCP_USER_TIMEOUT from a listening
+    socket to each connection it accepts, so they cost no syscall per connection."""
     if family is None:
         family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -144,6 +160,8 @@ def bind_listener(
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if addr[0] == "::" else 1)
         if transparent:
             set_transparent(sock, family)
+        for level, name, value in options:
+            sock.setsockopt(level, name, value)
         sock.bind(addr)
         sock.listen(backlog)
         sock.setblocking(False)

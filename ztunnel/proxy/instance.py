@@ -23,6 +23,7 @@ from ztunnel.identity.manager import CertificateSource
 from ztunnel.metrics import Metrics, Reporter
 from ztunnel.net.copy import PipePool
 from ztunnel.net.fdbudget import FdBudget
+from ztunnel.net.sockopt import SocketConfig
 from ztunnel.proxy.context import ProxyContext
 from ztunnel.proxy.hbone_outbound import HboneConnector
 from ztunnel.proxy.inbound import InboundHbone
@@ -78,10 +79,13 @@ class ProxyInstance:
         self.sockets = SocketFactory(
             mark=config.packet_mark,
             netns_fd=netns_fd,
-            keepalive=(config.keepalive_time, config.keepalive_interval, config.keepalive_retries)
-            if config.keepalive_enabled
-            else None,
-            user_timeout=config.user_timeout_enabled,
+            socket_config=SocketConfig(
+                config.keepalive_enabled,
+                config.keepalive_time,
+                config.keepalive_interval,
+                config.keepalive_retries,
+                config.user_timeout_enabled,
+            ),
             budget=FdBudget(config.fd_reserve),
         )
         if config.enable_orig_src is False:
@@ -189,6 +193,7 @@ class ProxyInstance:
                         family=family,
                         reuse_port=cfg.inpod_port_reuse,
                         transparent=transparent,
+                        keepalive=port != HBONE_PORT,  # (Rust: 15001 and 15006)
                     )
                 except OSError as e:
                     last = OSError(e.errno, f"cannot bind [{wildcard}]:{port}: {e.strerror}")

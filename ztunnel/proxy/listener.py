@@ -105,11 +105,9 @@ class Listener:
             if self.budget is not None and not self.budget.admit(conn.fileno()):
                 self._refuse(conn)
                 continue
+            # (TCP_NODELAY, the mark and keepalive come with the connection from the listening
+            # socket: ``SocketFactory.listener`` sets them there once.)
             conn.setblocking(False)
-            try:  # noqa: SIM105 (no context manager object per connection)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
             self.accepted += 1
             self._spawn(conn, addr)
 

@@ -13,19 +13,22 @@ import errno
 import logging
 import socket
 from collections.abc import Iterator
-from datetime import timedelta
 
 from ztunnel.core.addr import IPAddr, SocketAddr
 from ztunnel.core.errors import UpstreamConnectError
+from ztunnel.logs import RateLimitedLog
 from ztunnel.net import sockopt
 from ztunnel.net.fdbudget import FdBudget
+from ztunnel.net.sockopt import SocketConfig, SockOpt
 
 log = logging.getLogger("ztunnel.proxy")
+_bind_log = RateLimitedLog(log)
 
 CONNECT_TIMEOUT = 10.0
 _STREAM_NONBLOCK = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
 
 ListenKey = tuple[str, int, tuple[str, int]]  # ("tcp" | "udp", family, (address, port))
+_NO_KEEPALIVE = SocketConfig(keepalive_enabled=False)
 
 
 class SocketFactory:
@@ -36,20 +39,21 @@ class SocketFactory:
         *,
         mark: int | None,
         netns_fd: int | None = None,
-        keepalive: tuple[timedelta, timedelta, int] | None = None,
-        user_timeout: bool = False,
+        socket_config: SocketConfig = _NO_KEEPALIVE,
         budget: FdBudget | None = None,
     ) -> None:
         self.mark = mark
         # Sockets are refused (UpstreamConnectError) a reserve of fds before RLIMIT_NOFILE.
         self.budget = budget if budget is not None else FdBudget()
         self.netns_fd = netns_fd
-        self.keepalive = keepalive
-        self.user_timeout = user_timeout
-        # The option values, computed once rather than from timedeltas on every socket.
-        self._sockopts: tuple[tuple[int, int, int], ...] = _stream_sockopts(
-            mark, keepalive, user_timeout
-        )
+        self.socket_config = socket_config
+        # The option values, computed once rather than from timedeltas on every socket: the
+        # mark and TCP_NODELAY on every stream socket (dialled and listening: accepted ones
+        # inherit them, so istio-cni's rules see the mark on both legs, as Rust's in-pod
+        # factory marks its listeners), keepalive on dialled ones and where asked on listeners.
+        marked: tuple[SockOpt, ...] = ((socket.SOL_SOCKET, sockopt.SO_MARK, mark),) if mark else ()
+        self._base_opts = (*marked, (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
+        self._sockopts = (*self._base_opts, *socket_config.options())
         self.transparent_ok: bool | None = None  # learnt on first spoofed connect
         # Every listening socket made here, by (kind, family, address); with ``adopt`` set,
         # those sockets are taken instead of new ones being bound (data-plane workers serve the
@@ -95,14 +99,28 @@ class SocketFactory:
         return sock
 
     def listener(
-        self, addr: tuple[str, int], *, family: int, reuse_port: bool, transparent: bool
+        self,
+        addr: tuple[str, int],
+        *,
+        family: int,
+        reuse_port: bool,
+        transparent: bool,
+        keepalive: bool = False,
     ) -> socket.socket:
+        """A listening socket in this factory's netns. Its connections inherit the mark and
+        TCP_NODELAY and, with ``keepalive``, the keepalive and user timeout of the socket config
+        (Rust sets them on connections accepted on 15001 and 15006): set once here, not per
+        connection."""
         key: ListenKey = ("tcp", family, addr)
         if self.adopt is not None:
             return self._adopted(key)
         with self._in_ns():
             sock = sockopt.bind_listener(
-                addr, family=family, reuse_port=reuse_port, transparent=transparent
+                addr,
+                family=family,
+                reuse_port=reuse_port,
+                transparent=transparent,
+                options=self._sockopts if keepalive else self._base_opts,
             )
         self.bound[key] = sock
         return sock
@@ -203,28 +221,22 @@ class SocketFactory:
             return  # a v4 client to a v6 app (or back) cannot be spoofed
         try:
             sockopt.set_transparent(sock, family)
-            sock.bind((str(ip), 0))
+            sock.bind((str(ip), 0))  # the port is picked here (see set_transparent)
             self.transparent_ok = True
         except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                # Every port of this client IP is taken (TIME_WAIT from a high connection rate):
+                # this connection leaves from our own address, as Rust's freebind_connect does
+                # when its bind fails.
+                _bind_log.warning(
+                    "bind", "cannot bind the client source IP %s (%s); connecting without it", ip, e
+                )
+                return
             if e.errno not in (errno.EPERM, errno.EACCES, errno.EADDRNOTAVAIL, errno.ENOPROTOOPT):
                 raise
             if self.transparent_ok is None:
                 log.warning("cannot spoof the client source IP (%s); connecting without it", e)
             self.transparent_ok = False
-
-
-def _stream_sockopts(
-    mark: int | None, keepalive: tuple[timedelta, timedelta, int] | None, user_timeout: bool
-) -> tuple[tuple[int, int, int], ...]:
-    """What ``new_socket`` sets, in order: the mark (``sockopt.set_mark``), TCP_NODELAY, then
-    keepalive as ``sockopt.set_keepalive`` sets it."""
-    opts: list[tuple[int, int, int]] = []
-    if mark:
-        opts.append((socket.SOL_SOCKET, sockopt.SO_MARK, mark))
-    opts.append((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
-    if keepalive is not None:
-        opts.extend(sockopt.keepalive_options(*keepalive, user_timeout))
-    return tuple(opts)
 
 
 async def _connect(sock: socket.socket, address: tuple[str, int], timeout: float) -> None:

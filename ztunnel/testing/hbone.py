@@ -506,7 +506,8 @@ class Baseline:
 
 
 def _adjusted_fds(zt: ZtunnelProcess, stats: Record) -> int:
-    return zt.fd_count() - 2 * int(stats.get("pipes_idle", 0))
+    # (both summed over the supervisor and its workers, which hold the idle pipes)
+    return int(stats.get("fds", zt.fd_count())) - 2 * int(stats.get("pipes_idle", 0))
 
 
 def settled(zt: ZtunnelProcess, base: Baseline | None = None, timeout: float = 10.0) -> Baseline:

@@ -146,7 +146,7 @@ async def test_large_transfer_both_ways(path: str) -> None:
     if pool is not None:
         st = pool.stats()
         assert st.in_use == 0
-        assert st.created <= 2  # at most one pipe per direction in flight
+        assert st.created <= 4  # per direction at most a small pipe, then a large one
         pool.close()
 
 
@@ -394,7 +394,8 @@ async def test_cancel_closes_everything_and_drops_dirty_pipes(path: str) -> None
         leg.close_ends()
     if pool is not None:
         st = pool.stats()
-        assert st.in_use == 0 and st.idle == 0  # the dirty pipe was closed, not pooled
+        # The dirty pipe was closed, not pooled (the clean small one before it was).
+        assert st.in_use == 0 and st.idle == st.created - 1
         pool.close()
     assert open_fds() == fds_before
 
@@ -663,7 +664,7 @@ def test_pool_shrinks_to_pipe_max_size_when_refused(
     pool = PipePool(pipe_size=1 << 20)
     a, b = pool.get(), pool.get()
     try:
-        for _r, w in (a, b):
+        for _r, w, _size in (a, b):
             assert real_fcntl(w, _F_GETPIPE_SZ) == limit  # not the 64 KiB default
         assert refused == [1 << 20]  # asked once; the second pipe used the limit directly
         assert pool.pipe_size == limit
@@ -739,24 +740,76 @@ async def test_closed_socket_is_rejected_and_other_closed() -> None:
         leg.close_ends()
 
 
-def test_pipe_pool_bounds_the_pipes_out_at_once() -> None:
-    """Issue 13: a pipe whose destination stops reading stays out; at most max_in_use are."""
-    pool = PipePool(max_in_use=2)
-    a, b = pool.get(), pool.get()
+def test_pipe_pool_bounds_what_is_out_by_its_budget() -> None:
+    """A pipe whose destination stops reading stays out: what is out (pipe capacities and large
+    buffers) stays within the budget; a bulk direction gets a small pipe when a large one does
+    not fit, and nothing when a small one does not either."""
+    small, large = 64 << 10, 1 << 20
+    pool = PipePool(pipe_size=large, small_size=small, budget=large + small)
+    a = pool.get(bulk=True)
+    assert a[2] == large and pool.stats().held == large
+    b = pool.get(bulk=True)  # a large one no longer fits: small
+    assert b[2] == small and pool.stats().held == large + small
     with pytest.raises(BlockingIOError):
-        pool.get()
-    assert pool.stats().limited == 1 and pool.stats().in_use == 2
+        pool.get(bulk=False)
+    assert not pool.reserve(1)
+    assert pool.stats().limited == 2 and pool.stats().in_use == 2
     pool.discard(a)
-    pool.put(pool.get())
-    pool.put(b)
+    assert pool.reserve(256 << 10) and pool.stats().held == small + (256 << 10)
+    pool.release(256 << 10)
+    c = pool.get(bulk=False)
+    assert c[2] == small and pool.stats().small_in_use == 2
+    for p in (b, c):
+        pool.put(p)
+    assert pool.stats().held == 0 and pool.stats().idle == 2
+    assert pool.get(bulk=False) in (b, c)  # reused by size
+    pool.close()
+
+
+def test_small_pipes_keep_the_default_capacity() -> None:
+    """A small pipe is the kernel's default (no F_SETPIPE_SZ); a large one is resized."""
+    pool = PipePool()
+    small, large = pool.get(bulk=False), pool.get(bulk=True)
+    try:
+        assert fcntl.fcntl(small[1], _F_GETPIPE_SZ) == small[2] == 64 << 10
+        assert fcntl.fcntl(large[1], _F_GETPIPE_SZ) == large[2] == 1 << 20
+    finally:
+        pool.discard(small)
+        pool.discard(large)
+        pool.close()
+
+
+@pytest.mark.both_loops
+async def test_a_flow_gets_a_large_pipe_once_it_moves_bulk() -> None:
+    """Request/response traffic only ever takes small pipes; a bulk flow fills a small one and
+    gets a large one from then on."""
+    pool = PipePool()
+    leg = make_leg()
+    try:
+        task = asyncio.create_task(copy_bidirectional(leg.down, leg.up, pipes=pool))
+        for _ in range(20):
+            leg.client.sendall(b"x" * 1000)
+            assert await in_thread(lambda: leg.server.recv(1000)) == b"x" * 1000
+        assert pool.stats().created == 1  # one small pipe, reused
+        sent, (got, digest) = await asyncio.gather(
+            in_thread(lambda: send_all_then_fin(leg.client, 4, 32 * MiB)),
+            in_thread(lambda: recv_to_eof(leg.server)),
+        )
+        assert (got, digest) == (32 * MiB, sent)
+        leg.server.shutdown(socket.SHUT_WR)
+        await asyncio.wait_for(task, 10)
+    finally:
+        leg.close_ends()
+    st = pool.stats()
+    assert st.created == 2 and st.idle == 2 and st.held == 0  # one small, one large
     pool.close()
 
 
 @pytest.mark.both_loops
-async def test_stuck_destinations_do_not_pin_more_than_max_in_use_pipes() -> None:
+async def test_stuck_destinations_do_not_pin_more_than_the_budget() -> None:
     """Connections whose destination never reads: each holds its pipe (with data) until then;
-    past max_in_use the next ones copy with buffers instead, and every byte still arrives."""
-    pool = PipePool(max_in_use=1)
+    past the budget the next ones copy with buffers instead, and every byte still arrives."""
+    pool = PipePool(budget=64 << 10)  # one small pipe
     legs = [make_leg(), make_leg()]
     tasks = [asyncio.create_task(copy_bidirectional(g.down, g.up, pipes=pool)) for g in legs]
     try:
@@ -764,8 +817,8 @@ async def test_stuck_destinations_do_not_pin_more_than_max_in_use_pipes() -> Non
             asyncio.ensure_future(in_thread(lambda g=g: send_all_then_fin(g.client, 3, 6 * MiB)))
             for g in legs
         ]
-        await asyncio.sleep(0.5)  # nobody reads the servers: the first leg pins the pipe
-        assert pool.stats().in_use <= 1
+        await asyncio.sleep(0.5)  # nobody reads the servers: the legs pin their pipes
+        assert pool.stats().held <= 64 << 10 and pool.stats().in_use <= 1
         assert pool.stats().limited >= 1
         readers = [
             asyncio.ensure_future(in_thread(lambda g=g: recv_to_eof(g.server))) for g in legs
@@ -782,5 +835,5 @@ async def test_stuck_destinations_do_not_pin_more_than_max_in_use_pipes() -> Non
     assert [x[0] for x in got] == [6 * MiB, 6 * MiB]
     assert [x[1] for x in got] == list(sent)
     assert all(r.down_to_up == 6 * MiB for r in results)
-    assert pool.stats().in_use == 0
+    assert pool.stats().in_use == 0 and pool.stats().held == 0
     pool.close()

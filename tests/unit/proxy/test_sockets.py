@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
+import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -121,3 +124,65 @@ async def test_out_of_fds_is_an_upstream_connect_error(monkeypatch: pytest.Monke
         m.setattr(resource, "getrlimit", lambda _r: (3, 3))
         with pytest.raises(UpstreamConnectError, match="budget exhausted"):
             await factory.connect(SocketAddr.parse("127.0.0.1:1"))
+
+
+@contextlib.contextmanager
+def _scratch_netns(port_range: str) -> Iterator[int]:
+    """A new network namespace with ``lo`` up and that ephemeral port range; its fd."""
+    name = f"zt-unit-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "sysctl",
+                "-q",
+                f"net.ipv4.ip_local_port_range={port_range}",
+            ],
+            check=True,
+        )
+        fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
+@pytest.mark.usefixtures("require_root")  # a netns, IP_TRANSPARENT
+async def test_no_free_port_for_the_client_ip_connects_from_our_own() -> None:
+    """Every port of the client's IP taken: bind(client IP, 0) fails with EADDRINUSE, and the
+    connection is made from ztunnel's own address, as Rust's freebind_connect does when its bind
+    fails; the next connection spoofs again."""
+    with _scratch_netns("40000 40001") as ns:
+        factory = SocketFactory(mark=None, netns_fd=ns)
+        srv = factory.listener(
+            ("127.0.0.1", 7000), family=socket.AF_INET, reuse_port=False, transparent=False
+        )
+        srv.setblocking(True)
+        with srv:
+            taken = []  # both ports of the range, from the client's IP
+            for _ in range(2):
+                s = factory.new_socket(socket.AF_INET)
+                s.setsockopt(socket.SOL_IP, 19, 1)  # IP_TRANSPARENT
+                s.setsockopt(socket.SOL_IP, 24, 1)  # IP_BIND_ADDRESS_NO_PORT: port at connect
+                s.bind(("127.0.0.9", 0))
+                s.setblocking(True)
+                s.connect(("127.0.0.1", 7000))
+                taken += [s, srv.accept()[0]]
+            sock = await factory.connect(_addr(srv), spoof_source=parse_ip("127.0.0.9"))
+            with sock:
+                assert sock.getsockname()[0] == "127.0.0.1"
+                srv.accept()[0].close()
+            for s in taken:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+                s.close()
+            sock = await factory.connect(_addr(srv), spoof_source=parse_ip("127.0.0.9"))
+            with sock:
+                assert sock.getsockname()[0] == "127.0.0.9"
+                srv.accept()[0].close()
