@@ -256,8 +256,14 @@ def with_flag(labels: tuple[str, ...], flag: ResponseFlag) -> tuple[str, ...]:
 
 
 def flag_for(error: BaseException | str | None) -> ResponseFlag:
-    """The response flag an outcome carries: a ``ProxyError``'s flag, else ``-``."""
-    return error.flag if isinstance(error, ProxyError) else ResponseFlag.NONE
+    """The response flag an outcome carries (Rust ``ConnectionResult::record``,
+    ``extract_failure_reason``): ``-`` for success, a ``ProxyError``'s own flag, and
+    ``CONNECT`` for any other failure (an unclassified error, an error text)."""
+    if error is None:
+        return ResponseFlag.NONE
+    if isinstance(error, ProxyError) and error.flag is not ResponseFlag.NONE:
+        return error.flag
+    return ResponseFlag.CONNECT
 
 
 def reporter_for_direction(direction: str) -> Reporter:

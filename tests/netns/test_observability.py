@@ -653,11 +653,14 @@ def test_metrics_destination_labels_from_baggage(obs: Obs) -> None:
     )
     got = delta(before_b, traffic_series(o.b))
     assert got == counted(want, 1234, 1234), show(got)
-    # The access log falls back to the baggage too: canonical service and namespace.
+    # The access log falls back to the baggage too: canonical service, namespace and cluster
+    # (Rust's src.cluster is the source_cluster label: the baggage's k8s.cluster.name here).
     assert rec["src.addr"].startswith(f"{o.ext.ip4}:")
     assert rec["src.workload"] == "bag-app"
     assert rec["src.namespace"] == "ns-bag"
     assert rec["src.identity"] == str(TESTER)
+    assert rec["src.cluster"] == "cluster9"
+    assert rec["dst.cluster"] == B.cluster
     assert "dst.service" not in rec
 
 
@@ -691,8 +694,11 @@ def test_metrics_plaintext_passthrough_and_refused(obs: Obs) -> None:
     passthrough = traffic("source", source=A, principal=U, dest=None, service=False, security=U)
     hbone = traffic("source", source=A, principal=A.principal, dest=B, service=False)
     got_a = delta(before_a, traffic_series(o.a))
-    # The source side sees a completed tunnel that the server refused: no response flag there.
-    assert got_a == merged(counted(passthrough, 700, 700), counted(hbone, 0, 0)), show(got_a)
+    # The source side's tunnel was refused (503): an unclassified failure, CONNECT (Rust
+    # Error::HttpStatus -> extract_failure_reason's catch-all).
+    assert got_a == merged(
+        counted(passthrough, 700, 700), counted(hbone, 0, 0, close_flags="CONNECT")
+    ), show(got_a)
 
     plaintext_in = traffic(
         "destination", source=None, principal=U, dest=B, service=False, security=U
@@ -861,31 +867,35 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "src.workload": "a",
         "src.namespace": "default",
         "src.identity": A.principal,
+        "src.cluster": A.cluster,
         "dst.addr": f"{b4}:15008",
         "dst.hbone_addr": f"{b4}:{TARGET_PORT}",
         "dst.service": SVC_HOST,
         "dst.workload": "b",
         "dst.namespace": "default",
         "dst.identity": B.principal,
+        "dst.cluster": B.cluster,
         "direction": "outbound",
     }
     rec_open, rec_done = both(o.zta, since_a, "outbound", src_addr=f"{a4}:{port}")
     check_access(rec_open, "debug", opened)
     check_access(rec_done, "info", completed(opened, REQUEST_BYTES, RESPONSE_BYTES))
 
-    # ... and its destination side (plain text). Rust logs dst.addr as <pod>:15008 here too;
-    # this implementation logs the app address (the same as dst.hbone_addr).
+    # ... and its destination side (plain text). dst.addr is the connection's own address,
+    # <pod>:15008, as Rust logs it (inbound.rs build_inbound_request: original_dst).
     opened = {
         "src.addr": addr_of(a4),
         "src.workload": "a",
         "src.namespace": "default",
         "src.identity": A.principal,
-        "dst.addr": re.compile(re.escape(b4) + f":(15008|{TARGET_PORT})"),
+        "src.cluster": A.cluster,
+        "dst.addr": f"{b4}:15008",
         "dst.hbone_addr": f"{b4}:{TARGET_PORT}",
         "dst.service": SVC_HOST,
         "dst.workload": "b",
         "dst.namespace": "default",
         "dst.identity": B.principal,
+        "dst.cluster": B.cluster,
         "direction": "inbound",
     }
     rec_open, rec_done = both(o.ztb, since_b, "inbound", dst_hbone_addr=f"{b4}:{TARGET_PORT}")
@@ -898,11 +908,13 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "src.workload": "b",
         "src.namespace": "default",
         "src.identity": B.principal,
+        "src.cluster": B.cluster,
         "dst.addr": f"{a4}:15008",
         "dst.hbone_addr": f"{a4}:{ECHO_PORT}",
         "dst.workload": "a",
         "dst.namespace": "default",
         "dst.identity": A.principal,
+        "dst.cluster": A.cluster,
         "direction": "outbound",
     }
     rec_open, rec_done = both(o.ztb, since_b, "outbound", src_addr=f"{b4}:{b_port}")
@@ -914,11 +926,13 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "src.workload": "b",
         "src.namespace": "default",
         "src.identity": B.principal,
-        "dst.addr": re.compile(re.escape(a4) + f":(15008|{ECHO_PORT})"),
+        "src.cluster": B.cluster,
+        "dst.addr": f"{a4}:15008",
         "dst.hbone_addr": f"{a4}:{ECHO_PORT}",
         "dst.workload": "a",
         "dst.namespace": "default",
         "dst.identity": A.principal,
+        "dst.cluster": A.cluster,
         "direction": "inbound",
     }
     rec_open, rec_done = both(o.zta, since_a, "inbound", dst_hbone_addr=f"{a4}:{ECHO_PORT}")
@@ -930,6 +944,7 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "src.addr": f"{a4}:{ext_port}",
         "src.workload": "a",
         "src.namespace": "default",
+        "src.cluster": A.cluster,
         "dst.addr": f"{o.ext.ip4}:{EXT_ECHO_PORT}",
         "direction": "outbound",
     }
@@ -941,6 +956,7 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "dst.addr": echo_b,
         "dst.workload": "b",
         "dst.namespace": "default",
+        "dst.cluster": B.cluster,
         "direction": "inbound",
     }
     rec_open, rec_done = both(o.ztb, since_b, "inbound", src_addr=f"{o.ext.ip4}:{in_port}")
@@ -990,7 +1006,9 @@ def test_admin_listens_on_localhost_only(obs: Obs) -> None:
             assert read_until_closed(s) == b""
     for src in (o.a.ip4, o.ext.ip4):
         rec = access_record(o.ztb, since_b, "connection complete", "inbound", src_ip=src)
-        assert rec["level"] == "error" and f"{o.b.ip4}:15000" in str(rec["dst.addr"]), rec
+        # (HBONE names the app's address in dst.hbone_addr, plaintext in dst.addr)
+        target = rec.get("dst.hbone_addr", rec["dst.addr"])
+        assert rec["level"] == "error" and target == f"{o.b.ip4}:15000", rec
     access_record(o.zta, since_a, "connection complete", "outbound", {"dst.hbone_addr": admin_b})
     # Stats and readiness listen on the wildcard.
     assert http(o.b, o.b.ip4, 15020, "/metrics").status == 200

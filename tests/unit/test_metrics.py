@@ -8,7 +8,16 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ztunnel.core.errors import AuthorizationDenied, ResponseFlag
+from ztunnel.core.errors import (
+    AuthorizationDenied,
+    CertificateRevoked,
+    NoHealthyUpstream,
+    PolicyLateRejection,
+    ProxyError,
+    ResponseFlag,
+    TlsFailure,
+    UpstreamConnectError,
+)
 from ztunnel.core.identity import Identity
 from ztunnel.hbone.headers import parse_baggage
 from ztunnel.metrics import (
@@ -213,11 +222,25 @@ def test_destination_identity_override_and_flag() -> None:
     assert labels["response_flags"] == "DENY"
 
 
-def test_flag_for() -> None:
-    assert flag_for(AuthorizationDenied("no")) is ResponseFlag.DENY
-    assert flag_for("some string") is ResponseFlag.NONE
-    assert flag_for(None) is ResponseFlag.NONE
-    assert flag_for(OSError()) is ResponseFlag.NONE
+@pytest.mark.parametrize(
+    ("outcome", "flag"),
+    [
+        (None, ResponseFlag.NONE),
+        (AuthorizationDenied("no"), ResponseFlag.DENY),
+        (PolicyLateRejection(), ResponseFlag.DENY),
+        (CertificateRevoked(), ResponseFlag.CERT_REVOKED),
+        (TlsFailure("x"), ResponseFlag.TLS_FAILURE),
+        (UpstreamConnectError("refused"), ResponseFlag.CONNECT),
+        # Unclassified: CONNECT (Rust extract_failure_reason's catch-all)
+        (NoHealthyUpstream("10.0.0.1:80"), ResponseFlag.CONNECT),
+        (ProxyError("anything"), ResponseFlag.CONNECT),
+        (OSError(), ResponseFlag.CONNECT),
+        ("HBONE CONNECT to 10.0.0.1:80 failed with status 401", ResponseFlag.CONNECT),
+    ],
+)
+def test_flag_for(outcome: BaseException | str | None, flag: ResponseFlag) -> None:
+    # Rust src/proxy/metrics.rs ConnectionResult::record -> extract_failure_reason
+    assert flag_for(outcome) is flag
 
 
 # --- the metric set --------------------------------------------------------------------------

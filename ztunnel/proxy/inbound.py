@@ -50,12 +50,7 @@ from ztunnel.identity.tls import (
 )
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
-from ztunnel.proxy.context import (
-    UNKNOWN_LOCAL_WORKLOAD,
-    ConnectionRecord,
-    ProxyContext,
-    log_failed,
-)
+from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
 from ztunnel.proxy.hbone_outbound import HboneSettings
 from ztunnel.proxy.inbound_route import (
     InboundTarget,
@@ -388,7 +383,7 @@ class InboundHbone:
             return None
         local = await ctx.wait_local_workload()
         if local is None:
-            _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, arrival=arrival)
+            _reject(conn, sid, src, 503, ctx.unknown_local_workload(), arrival=arrival)
             return None
         network = ctx.config.network
         try:
