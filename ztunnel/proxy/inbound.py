@@ -258,8 +258,11 @@ class InboundHbone:
             hold_streams=True,
         )
         # Had the callback recorded no chain, our own CA certificates (which a mesh peer's
-        # chain shares) stand in for it in re-checks.
-        chain = chain or (*cert.intermediates, *cert.roots)
+        # chain shares) stand in for it in re-checks: not tracked, for the CRL metrics.
+        if not chain:
+            if crl is not None:
+                crl.untracked("destination", str(peer_id))
+            chain = (*cert.intermediates, *cert.roots)
         conn = HboneConnection(
             sock, sslobj, inbio, outbio, h2c, on_request=on_request, peer_chain=chain
         )
