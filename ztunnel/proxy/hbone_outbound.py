@@ -202,7 +202,6 @@ class HboneConnector:
         return request_headers(
             rec.src_workload,
             rec.src,
-            cluster_id=self.config.cluster_id,
             service_hostname=route.destination_service.hostname
             if route.destination_service
             else None,

@@ -437,11 +437,7 @@ class InboundHbone:
 
     def _response_headers(self, local: Workload | None) -> list[tuple[str, str]]:
         cfg = self.ctx.config
-        if (
-            local is not None
-            and cfg.enable_response_baggage
-            and (value := baggage(local, cfg.cluster_id))
-        ):
+        if local is not None and cfg.enable_response_baggage and (value := baggage(local)):
             return [(BAGGAGE, value)]
         return []
 
