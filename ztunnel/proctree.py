@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ProcessFigures", "parse_limits_nofile", "parse_stat", "read", "total"]
+__all__ = ["ProcessFigures", "parse_limits_nofile", "parse_stat", "read", "start_time", "total"]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE_SIZE = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
