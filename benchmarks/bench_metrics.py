@@ -6,8 +6,12 @@ Usage: ``python benchmarks/bench_metrics.py [--series 10000] [--scrapes 10] [--l
    ``close`` on a ``ConnectionMetrics`` handle.
 2. Encode: a registry with ``--series`` distinct traffic label sets (each connection opened,
    flushed and closed, so 4 series per label set: opened, closed, sent, received; plus the process
-   collector), encoded with ``ztunnel.metrics.encode`` (text and OpenMetrics) and, for reference,
-   prometheus_client's ``generate_latest`` (which sorts labels, so it is not our wire format).
+   figures), encoded with ``ztunnel.metrics.encode`` (OpenMetrics, the body Rust sends) and, for
+   reference, prometheus_client's ``generate_latest`` (which sorts labels, so it is not our wire
+   format). Then the CPU milliseconds (this thread's CPU time, median of 5) and the size of
+   that body in each content coding the stats server can answer with, and in the ones it does
+   not (zlib level 6, tower-http's default; brotli at tower-http's quality 4, when the
+   ``brotli`` package is installed).
 3. Stall: a real ``HttpServer`` + ``StatsHandler`` on loopback; ``curl`` (an external process,
    as Prometheus is) scrapes ``/metrics`` ``--scrapes`` times while a ticker task on the loop sleeps 1 ms in a loop and
    records how late it wakes. Compared: the three ``StatsHandler`` modes (``inline``: encode on
@@ -39,9 +43,16 @@ if str(ROOT) not in sys.path:
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 from ztunnel.admin.http import HttpServer  # noqa: E402
-from ztunnel.admin.stats import RenderMode, StatsHandler  # noqa: E402
+from ztunnel.admin.stats import COMPRESSORS, RenderMode, StatsHandler, compress  # noqa: E402
 from ztunnel.core.errors import ResponseFlag  # noqa: E402
-from ztunnel.metrics import Metrics, Reporter, SecurityPolicy, encode, traffic_labels  # noqa: E402
+from ztunnel.metrics import (  # noqa: E402
+    Metrics,
+    Reporter,
+    SecurityPolicy,
+    encode,
+    encode_chunks,
+    traffic_labels,
+)
 from ztunnel.state.model import Locality, Service, Workload  # noqa: E402
 
 
@@ -131,8 +142,7 @@ def bench_data_path() -> dict[str, float]:
 def bench_encode(reg: CollectorRegistry) -> dict[str, Any]:
     out: dict[str, Any] = {}
     encoders: list[tuple[str, Callable[[], bytes]]] = [
-        ("encode_text", lambda: encode(reg)),
-        ("encode_openmetrics", lambda: encode(reg, openmetrics=True)),
+        ("encode_openmetrics", lambda: encode(reg)),
         ("prometheus_client_generate_latest", lambda: generate_latest(reg)),
     ]
     for name, fn in encoders:
@@ -144,6 +154,51 @@ def bench_encode(reg: CollectorRegistry) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
             size = len(body)
         out[name] = {"ms_median": statistics.median(times) * 1000, "bytes": size}
+    return out
+
+
+def bench_compression(reg: CollectorRegistry) -> dict[str, Any]:
+    """CPU ms (this thread, median of 5) and bytes of the scrape body in each content coding."""
+    import functools
+    import importlib
+    import zlib
+
+    chunks = encode_chunks(reg)
+
+    def cpu_ms(fn: Callable[[], list[bytes]]) -> tuple[float, int]:
+        times, size = [], 0
+        for _ in range(5):
+            t0 = time.thread_time()
+            out = fn()
+            times.append(time.thread_time() - t0)
+            size = sum(map(len, out))
+        return statistics.median(times) * 1000, size
+
+    out: dict[str, Any] = {}
+    encode_ms, size = cpu_ms(lambda: encode_chunks(reg))
+    out["encode_only"] = {"cpu_ms": encode_ms, "bytes": size}
+    codings: dict[str, Callable[[], list[bytes]]] = {
+        name: functools.partial(compress, chunks, name) for name in COMPRESSORS
+    }
+
+    def zlib6(wbits: int) -> list[bytes]:
+        z = zlib.compressobj(6, zlib.DEFLATED, wbits)
+        return [*(z.compress(c) for c in chunks), z.flush()]
+
+    codings["gzip level 6 (not served)"] = lambda: zlib6(31)
+    try:
+        brotli: Any = importlib.import_module("brotli")  # (not a dependency: for comparison)
+
+        def br() -> list[bytes]:
+            b = brotli.Compressor(quality=4)
+            return [*(b.process(c) for c in chunks), b.finish()]
+
+        codings["br quality 4 (not served)"] = br
+    except ImportError:
+        pass
+    for name, fn in codings.items():
+        ms, size = cpu_ms(fn)
+        out[name] = {"cpu_ms": ms, "bytes": size, "with_encode_cpu_ms": ms + encode_ms}
     return out
 
 
@@ -221,6 +276,7 @@ def main() -> None:
     reg, m = build(args.series)
     build_s = time.perf_counter() - t0
     enc = bench_encode(reg)
+    codings = bench_compression(reg)
 
     if args.loop == "uvloop":
         import uvloop
@@ -258,6 +314,7 @@ def main() -> None:
         "build_s": build_s,
         "data_path": data_path,
         "encode": enc,
+        "compression": codings,
         "stall_runs": stall,
         "stall_summary": summary(stall),
     }
@@ -274,6 +331,9 @@ def main() -> None:
     print("\n| encoder | ms (median of 3) | bytes |\n|---|---|---|")
     for k, v in enc.items():
         print(f"| {k} | {v['ms_median']:.1f} | {v['bytes']} |")
+    print("\n| content coding | CPU ms (median of 5) | bytes |\n|---|---|---|")
+    for k, v in codings.items():
+        print(f"| {k} | {v['cpu_ms']:.1f} | {v['bytes']} |")
     print(
         "\n| scrape mode | gzip | scrape ms (median) | resp bytes | baseline max stall ms "
         "| max stall ms (median run / worst run) | p99 stall ms (median run) |"

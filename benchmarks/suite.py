@@ -1443,7 +1443,9 @@ def run_scrape(p: Path_, sets: int, scrapes: int) -> dict[str, Any]:
         "bytes": len(body.encode()),
         "processes": len(proc_tree(zt.pid)),
     }
-    for mode, flags in (("plain", []), ("gzip", ["--compressed"])):
+    # gzip as Prometheus asks for it (curl --compressed would offer zstd too, which ztunnel
+    # then prefers, as Rust's tower-http does).
+    for mode, flags in (("plain", []), ("gzip", ["-H", "Accept-Encoding: gzip"])):
         times: list[float] = []
         cpus: list[float] = []
         size = 0

@@ -182,6 +182,9 @@ class Config:
     readiness_port: int = READINESS_PORT
     log_format: str = "plain"
     rust_log: str = "info"
+    # AUTHZ_POLICY_INFO_LOGGING=true (exactly, as Rust reads it): the authorization decision
+    # logs at info instead of debug.
+    authz_policy_info_logging: bool = False
     # ZTUNNEL_METRICS_FLUSH_INTERVAL (Python-only): how often live connections' byte counts are
     # added to the metrics (Rust counts every read/write; we batch them).
     metrics_flush_interval: timedelta = timedelta(seconds=5)
@@ -745,6 +748,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         readiness_port=e.integer("ZTUNNEL_READINESS_PORT", READINESS_PORT, 0, 65535),
         log_format=log_format,
         rust_log=e.get("RUST_LOG", "info") or "info",
+        authz_policy_info_logging=e.get("AUTHZ_POLICY_INFO_LOGGING") == "true",
         metrics_flush_interval=flush,
         h2_max_control_frames=e.integer("ZTUNNEL_H2_MAX_CONTROL_FRAMES", 1000, 1, 10**9),
         h2_max_window_updates=e.integer("ZTUNNEL_H2_MAX_WINDOW_UPDATES", 10_000, 1, 10**9),

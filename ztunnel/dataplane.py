@@ -24,7 +24,7 @@ from ztunnel.identity.crl import RELOAD_CHECK_INTERVAL as CRL_RELOAD_CHECK_INTER
 from ztunnel.identity.crl import CrlError, CrlManager
 from ztunnel.identity.manager import CertificateSource
 from ztunnel.identity.tls import TlsPolicy
-from ztunnel.metrics import Family, Metrics
+from ztunnel.metrics import Metrics, crl_metrics
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import CompanionBuilder, ProxyInstance
 from ztunnel.state.authz import PolicyIndex
@@ -41,19 +41,15 @@ class DataPlaneError(Exception):
 
 
 def tls_policy(config: Config, registry: CollectorRegistry) -> tuple[TlsPolicy, CrlManager | None]:
-    """TLS12_ENABLED and CRL_PATH for every context built from our certificates, with the
-    ``istio_crl_policy_rejections`` counter on ``registry``."""
+    """TLS12_ENABLED and CRL_PATH for every context built from our certificates, counting in
+    ``registry``'s ``istio_crl_*`` counters (registered with or without CRL_PATH, as Rust)."""
+    counters = crl_metrics(registry)
     crl = None
     if config.crl_path is not None:
-        rejections = Family(
-            "istio_crl_policy_rejections",
-            "The total number of connections rejected due to CRL certificate revocation (unstable)",
-            "counter",
-            ("reporter",),
-            registry=registry,
-        )
         try:
-            crl = CrlManager(config.crl_path, on_reject=lambda r: rejections.labels(r).inc())
+            crl = CrlManager(
+                config.crl_path, on_reject=counters.rejected, on_untracked=counters.untracked
+            )
         except CrlError as e:
             raise DataPlaneError(f"CRL_PATH: {e}") from None
     return TlsPolicy(tls12=config.tls12_enabled, crl=crl), crl

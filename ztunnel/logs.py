@@ -1,4 +1,5 @@
-"""Logging in ztunnel's shape: ``RUST_LOG``-style level directives, plain text or JSON lines.
+"""Logging in ztunnel's shape: ``RUST_LOG``-style level directives, plain text or JSON lines,
+on stdout as Rust's ``src/telemetry.rs`` writes them.
 
 Records may carry structured fields in ``extra={"fields": {...}}``; they are rendered as
 ``key=value`` pairs (plain) or JSON members, the way ztunnel's tracing output looks.
@@ -212,6 +213,12 @@ _encode_flat: Callable[[dict[str, Any], int], Iterable[str]] = (
 PIPE_BUF = 4096  # POSIX: writes up to this size to a pipe are atomic (Linux: 4096 bytes)
 
 
+def _size(line: str) -> int:
+    """The bytes ``line`` takes on the stream (UTF-8): its length when ASCII (every JSON line,
+    nearly every plain one), else its encoded length."""
+    return len(line) if line.isascii() else len(line.encode("utf-8", "backslashreplace"))
+
+
 class BatchingHandler(logging.Handler):
     """Writes log lines to ``stream`` once per event-loop iteration instead of once per line.
 
@@ -223,9 +230,10 @@ class BatchingHandler(logging.Handler):
     ``logging.shutdown`` (run at interpreter exit) flushes every handler; only a process killed
     outright loses the current iteration's lines.
 
-    Each write holds whole lines and at most ``PIPE_BUF`` characters (unless one line alone is
-    longer): writes that small to a pipe are atomic, so several processes sharing one stderr
-    never tear each other's lines."""
+    Each write holds whole lines and at most ``PIPE_BUF`` bytes (unless one line alone is
+    longer; a line that is not ASCII counts its UTF-8 bytes): writes that small to a pipe are
+    atomic, so several processes sharing one stdout (the data-plane workers) never tear each
+    other's lines."""
 
     def __init__(self, stream: TextIO, max_buffer: int = PIPE_BUF) -> None:
         super().__init__()
@@ -242,7 +250,7 @@ class BatchingHandler(logging.Handler):
             self.handleError(record)
             return
         self._lines.append(line)
-        self._size += len(line) + 1
+        self._size += _size(line) + 1
         if self._size >= self.max_buffer:
             self._write()
             return
@@ -271,13 +279,14 @@ class BatchingHandler(logging.Handler):
             chunk: list[str] = []
             size = 0
             for line in lines:
-                if chunk and size + len(line) + 1 > PIPE_BUF:
+                n = _size(line) + 1
+                if chunk and size + n > PIPE_BUF:
                     self._put(chunk)
                     chunk, size = [], 0
                 chunk.append(line)
-                size += len(line) + 1
+                size += n
             self._put(chunk)
-        except (OSError, ValueError):  # stderr closed or gone: nowhere left to say it
+        except (OSError, ValueError):  # stdout closed or gone: nowhere left to say it
             pass
 
     def _put(self, lines: list[str]) -> None:
@@ -297,7 +306,9 @@ def setup(log_format: str, spec: str) -> None:
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    handler = BatchingHandler(sys.stderr)
+    # stdout, as Rust's tracing writer (telemetry.rs): collectors that grade stderr lines as
+    # errors would otherwise mark every access-log line as one.
+    handler = BatchingHandler(sys.stdout)
     handler.setFormatter(JsonFormatter() if log_format == "json" else PlainFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

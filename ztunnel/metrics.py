@@ -6,7 +6,8 @@ global one) and passed down. Invariants:
 * Values are mutated only from the event-loop thread; a scrape may run in another thread and only
   reads them (a float/int attribute read is atomic under the GIL). New label sets are added under a
   small lock so a concurrent scrape never sees a dict change size.
-* Label values are rendered in the Rust encoding order (reference 6.1), which prometheus_client's
+* The exposition is what Rust's prometheus-client writes (OpenMetrics text, ``# UNIT`` lines,
+  ``# EOF``), label values in the Rust encoding order (reference 6.1), which prometheus_client's
   own encoders cannot do (they sort label names): use :func:`encode` for the wire format.
   ``registry.get_sample_value`` still works on everything here.
 * The data path never looks labels up per chunk: a :class:`ConnectionMetrics` handle resolves its
@@ -16,21 +17,22 @@ global one) and passed down. Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import generate_latest as _text_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as _om_latest
-from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from ztunnel import __version__
+from ztunnel import __version__, proctree
 from ztunnel.core.errors import ProxyError, ResponseFlag
 
 if TYPE_CHECKING:
@@ -44,14 +46,17 @@ __all__ = [
     "BaggageLike",
     "Cell",
     "ConnectionMetrics",
+    "CrlMetrics",
     "DnsMetrics",
     "Family",
     "HistogramCell",
     "HistogramFamily",
     "InpodMetrics",
     "Metrics",
+    "ProcessMetrics",
     "Reporter",
     "SecurityPolicy",
+    "crl_metrics",
     "dns_labels",
     "encode",
     "encode_chunks",
@@ -65,8 +70,10 @@ __all__ = [
     "wants_openmetrics",
 ]
 
-TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+# The body is OpenMetrics text either way; these are the content types Rust labels it with
+# (src/metrics/server.rs ContentType), the second when the client's Accept names OpenMetrics.
+TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text;charset=utf-8;version=1.0.0"
 
 UNKNOWN = "unknown"
 
@@ -257,8 +264,14 @@ def with_flag(labels: tuple[str, ...], flag: ResponseFlag) -> tuple[str, ...]:
 
 
 def flag_for(error: BaseException | str | None) -> ResponseFlag:
-    """The response flag an outcome carries: a ``ProxyError``'s flag, else ``-``."""
-    return error.flag if isinstance(error, ProxyError) else ResponseFlag.NONE
+    """The response flag an outcome carries (Rust ``ConnectionResult::record``,
+    ``extract_failure_reason``): ``-`` for success, a ``ProxyError``'s own flag, and
+    ``CONNECT`` for any other failure (an unclassified error, an error text)."""
+    if error is None:
+        return ResponseFlag.NONE
+    if isinstance(error, ProxyError) and error.flag is not ResponseFlag.NONE:
+        return error.flag
+    return ResponseFlag.CONNECT
 
 
 def reporter_for_direction(direction: str) -> Reporter:
@@ -314,11 +327,22 @@ def _escape_help(doc: str) -> str:
     return doc.replace("\\", "\\\\").replace("\n", "\\n")
 
 
+def _descriptor(name: str, doc: str, kind: str, unit: str) -> Iterator[str]:
+    """prometheus-client's ``encode_descriptor``: HELP, TYPE and, with a unit, UNIT."""
+    yield f"# HELP {name} {_escape_help(doc)}\n"
+    yield f"# TYPE {name} {kind}\n"
+    if unit:
+        yield f"# UNIT {name} {unit}\n"
+
+
 class Family:
     """A counter or gauge family whose label values are tuples in a fixed order.
 
     A tuple may be shorter than ``labelnames``: the missing trailing labels are simply absent from
     that series (Rust's optionally-encoded label groups). A collector for prometheus_client.
+    ``documentation`` is the HELP text as written (prometheus-client's ``Registry::register``
+    adds a period to Rust's texts: so do ours); ``unit`` adds the ``# UNIT`` line of Rust's
+    ``register_with_unit`` (``name`` then ends with ``_<unit>``).
     """
 
     def __init__(
@@ -328,11 +352,13 @@ class Family:
         kind: Literal["counter", "gauge"],
         labelnames: Sequence[str] = (),
         *,
+        unit: str = "",
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.name = name
         self.documentation = documentation
         self.kind = kind
+        self.unit = unit
         self.labelnames = tuple(labelnames)
         self._cells: dict[tuple[str, ...], Cell] = {}
         self._lock = threading.Lock()
@@ -367,13 +393,10 @@ class Family:
     def collect(self) -> Iterator[Metric]:
         yield _FamilySnapshot(self, self._snapshot())
 
-    def render(self, cells: list[Cell], openmetrics: bool) -> Iterator[str]:
-        """Exposition lines for this family (HELP, TYPE, samples), labels in tuple order."""
-        # Text format names a counter family with its _total suffix (as prometheus_client does);
-        # OpenMetrics names the family without it.
-        fam = self.name if openmetrics else self._sample_name
-        yield f"# HELP {fam} {_escape_help(self.documentation)}\n"
-        yield f"# TYPE {fam} {self.kind}\n"
+    def render(self, cells: list[Cell]) -> Iterator[str]:
+        """OpenMetrics lines for this family (HELP, TYPE, UNIT, samples), labels in tuple
+        order; a counter's samples are ``<name>_total``."""
+        yield from _descriptor(self.name, self.documentation, self.kind, self.unit)
         prefix = self._sample_name
         names = self.labelnames
         for cell in cells:
@@ -422,25 +445,18 @@ class _One:
         return [self.metric]
 
 
-def _lines(registry: CollectorRegistry, openmetrics: bool) -> Iterator[str]:
+def _lines(registry: CollectorRegistry) -> Iterator[str]:
     for metric in registry.collect():
         if isinstance(metric, _FamilySnapshot):
-            yield from metric.family.render(metric.cells, openmetrics)
-        elif openmetrics:
+            yield from metric.family.render(metric.cells)
+        else:  # another collector: prometheus_client's own OpenMetrics encoder
             chunk = _om_latest(_One(metric)).decode("utf-8")  # type: ignore[no-untyped-call]
             yield chunk.removesuffix("# EOF\n")
-        else:
-            yield _text_latest(_One(metric)).decode("utf-8")
-    if openmetrics:
-        yield "# EOF\n"
+    yield "# EOF\n"
 
 
 def encode_chunks(
-    registry: CollectorRegistry,
-    *,
-    openmetrics: bool = False,
-    chunk_size: int = 64 * 1024,
-    yield_gil: bool = False,
+    registry: CollectorRegistry, *, chunk_size: int = 64 * 1024, yield_gil: bool = False
 ) -> list[bytes]:
     """The exposition as a list of roughly ``chunk_size`` byte strings.
 
@@ -452,7 +468,7 @@ def encode_chunks(
     chunks: list[bytes] = []
     pending: list[str] = []
     size = 0
-    for line in _lines(registry, openmetrics):
+    for line in _lines(registry):
         pending.append(line)
         size += len(line)
         if size >= chunk_size:
@@ -467,14 +483,14 @@ def encode_chunks(
 
 
 async def encode_chunks_async(
-    registry: CollectorRegistry, *, openmetrics: bool = False, chunk_size: int = 64 * 1024
+    registry: CollectorRegistry, *, chunk_size: int = 64 * 1024
 ) -> list[bytes]:
     """:func:`encode_chunks` on the event loop, yielding to other tasks after every chunk: no
     thread, no GIL hand-offs; each loop turn does at most one chunk of work."""
     chunks: list[bytes] = []
     pending: list[str] = []
     size = 0
-    for line in _lines(registry, openmetrics):
+    for line in _lines(registry):
         pending.append(line)
         size += len(line)
         if size >= chunk_size:
@@ -487,25 +503,26 @@ async def encode_chunks_async(
     return chunks
 
 
-def encode(registry: CollectorRegistry, *, openmetrics: bool = False) -> bytes:
-    """The registry in Prometheus text 0.0.4 (default) or OpenMetrics 1.0.0.
+def encode(registry: CollectorRegistry) -> bytes:
+    """The registry in OpenMetrics 1.0.0 text, as Rust's prometheus-client encodes it (the body
+    Rust sends whatever the client accepts).
 
-    Families built here keep their label order; any other collector (e.g. ProcessCollector) is
-    encoded by prometheus_client itself. Thread-safe against event-loop mutation; CPU-bound, so
-    run it off the loop (``asyncio.to_thread``) for large registries, or use
-    :func:`encode_chunks`.
+    Families built here keep their label order; any other collector is encoded by
+    prometheus_client itself. Thread-safe against event-loop mutation; CPU-bound, so run it off
+    the loop (``asyncio.to_thread``) for large registries, or use :func:`encode_chunks`.
     """
-    return b"".join(encode_chunks(registry, openmetrics=openmetrics))
+    return b"".join(encode_chunks(registry))
 
 
-def wants_openmetrics(accept: str | None) -> bool:
-    """True when any ``Accept`` member's media type is ``application/openmetrics-text`` (as
-    ztunnel decides; q-values are not ranked)."""
-    if not accept:
-        return False
+def wants_openmetrics(accept: Iterable[str]) -> bool:
+    """Whether the ``Accept`` headers' values name ``application/openmetrics-text`` (Rust
+    ``metrics::server::content_type``: each comma-separated member lower-cased, its media
+    type the text before the first ``;``, compared as is: a member after ``, `` starts with
+    the space and does not count). Only the content type depends on it."""
     return any(
-        part.split(";", 1)[0].strip().lower() == "application/openmetrics-text"
-        for part in accept.split(",")
+        member.lower().split(";", 1)[0] == "application/openmetrics-text"
+        for value in accept
+        for member in value.split(",")
     )
 
 
@@ -573,8 +590,9 @@ class _Sourced(Family):
         *,
         registry: CollectorRegistry,
         replace: bool = False,
+        unit: str = "",
     ) -> None:
-        super().__init__(name, documentation, kind, labelnames, registry=registry)
+        super().__init__(name, documentation, kind, labelnames, unit=unit, registry=registry)
         self._source = source
         self._replace = replace
 
@@ -625,7 +643,7 @@ def export_xds(registry: CollectorRegistry, counts: Callable[[], XdsCounts | Non
 
     _Sourced(
         "istio_xds_connection_terminations",
-        "The total number of completed connections to xds server (unstable)",
+        "The total number of completed connections to xds server (unstable).",
         "counter",
         ("reason",),
         lambda: items(lambda c: c.connection_terminations),
@@ -633,7 +651,7 @@ def export_xds(registry: CollectorRegistry, counts: Callable[[], XdsCounts | Non
     )
     _Sourced(
         "istio_xds_message",
-        "Total number of messages received (unstable)",
+        "Total number of messages received (unstable).",
         "counter",
         ("url",),
         lambda: items(lambda c: c.messages),
@@ -641,10 +659,11 @@ def export_xds(registry: CollectorRegistry, counts: Callable[[], XdsCounts | Non
     )
     _Sourced(
         "istio_xds_message_bytes",
-        "Total number of bytes received (unstable)",
+        "Total number of bytes received (unstable).",
         "counter",
         ("url",),
         lambda: items(lambda c: c.message_bytes),
+        unit="bytes",  # (Rust register_with_unit: "# UNIT istio_xds_message_bytes bytes")
         registry=registry,
     )
 
@@ -757,13 +776,128 @@ def export_state_store(
     )
 
 
+class CrlMetrics:
+    """``istio_crl_policy_rejections_total{reporter}`` and
+    ``istio_crl_untracked_connections_total{reporter}`` (Rust ``proxy::Metrics``: registered
+    whether or not ``CRL_PATH`` is set)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.policy_rejections = Family(
+            "istio_crl_policy_rejections",
+            "The total number of connections rejected due to CRL certificate revocation "
+            "(unstable).",
+            "counter",
+            ("reporter",),
+            registry=registry,
+        )
+        self.untracked_connections = Family(
+            "istio_crl_untracked_connections",
+            "The total number of connections not tracked for CRL enforcement (unstable).",
+            "counter",
+            ("reporter",),
+            registry=registry,
+        )
+
+    def rejected(self, reporter: str) -> None:
+        self.policy_rejections.labels(reporter).value += 1
+
+    def untracked(self, reporter: str) -> None:
+        self.untracked_connections.labels(reporter).value += 1
+
+
+_crl_metrics: weakref.WeakKeyDictionary[CollectorRegistry, CrlMetrics] = weakref.WeakKeyDictionary()
+
+
+def crl_metrics(registry: CollectorRegistry) -> CrlMetrics:
+    """The CRL counters of ``registry``, registered on first use: the TLS policy (built before
+    the proxies' metrics) and :class:`Metrics` share them."""
+    got = _crl_metrics.get(registry)
+    if got is None:
+        got = _crl_metrics[registry] = CrlMetrics(registry)
+    return got
+
+
+class ProcessMetrics:
+    """``process_*`` of the whole ztunnel: this process and ``pids()``, the others of its tree
+    (the zygote and the data-plane workers, set by the supervisor), read from ``/proc`` when
+    scraped. ``process_open_fds``, ``process_cpu_seconds_total`` and the memory figures are
+    summed over the tree; ``process_max_fds`` is the lowest limit (each process runs out at its
+    own). Rust's two (``src/metrics/process.rs``) keep its HELP texts; the others keep
+    prometheus_client's names, which Istio's dashboards query. CPU counted by a process that is
+    gone (a worker restarted) stays in the total: a counter never goes down."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.pids: Callable[[], Iterable[int]] = tuple
+        self.open_fds = Family("process_open_fds", "Number of open file descriptors", "gauge")
+        self.max_fds = Family("process_max_fds", "Maximum number of file descriptors", "gauge")
+        self.cpu = Family(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds.",
+            "counter",
+            unit="seconds",
+        )
+        self.resident = Family(
+            "process_resident_memory_bytes", "Resident memory size in bytes.", "gauge", unit="bytes"
+        )
+        self.virtual = Family(
+            "process_virtual_memory_bytes", "Virtual memory size in bytes.", "gauge", unit="bytes"
+        )
+        self.start = Family(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            "gauge",
+            unit="seconds",
+        )
+        self._families = (
+            self.open_fds,
+            self.max_fds,
+            self.cpu,
+            self.resident,
+            self.virtual,
+            self.start,
+        )
+        self._started = proctree.start_time()
+        self._cpu_seen: dict[int, float] = {}  # pid -> its CPU seconds at the last scrape
+        self._cpu_gone = 0.0  # of processes no longer in the tree
+        registry.register(self)
+
+    def figures(self) -> proctree.ProcessFigures:
+        """The tree's figures now (and the CPU of processes gone since the last call kept)."""
+        read: dict[int, proctree.ProcessFigures] = {}
+        for pid in dict.fromkeys((os.getpid(), *self.pids())):
+            got = proctree.read(pid)
+            if got is not None:
+                read[pid] = got
+        for pid in [p for p in self._cpu_seen if p not in read]:
+            self._cpu_gone += self._cpu_seen.pop(pid)
+        for pid, f in read.items():
+            self._cpu_seen[pid] = f.cpu_seconds
+        tree = proctree.total(read.values())
+        return dataclasses.replace(tree, cpu_seconds=tree.cpu_seconds + self._cpu_gone)
+
+    def describe(self) -> list[Metric]:
+        return [m for f in self._families for m in f.describe()]
+
+    def collect(self) -> Iterator[Metric]:
+        tree = self.figures()
+        self.open_fds.labels().set(tree.open_fds)
+        if tree.max_fds is not None:
+            self.max_fds.labels().set(tree.max_fds)
+        self.cpu.labels().set(round(tree.cpu_seconds, 2))
+        self.resident.labels().set(tree.resident_bytes)
+        self.virtual.labels().set(tree.virtual_bytes)
+        if self._started is not None:
+            self.start.labels().set(self._started)
+        for f in self._families:
+            yield from f.collect()
+
+
 class Metrics:
     """Every ztunnel metric, registered on ``registry``. Build once; pass down.
 
     ``inpod`` adds the workload-manager proxy counts (shared mode only, as in Rust); ``dns``
-    the DNS proxy's ``istio_dns_*``;
-    ``process`` adds prometheus_client's ProcessCollector (``process_open_fds``,
-    ``process_max_fds``, CPU, memory); ``build_info`` sets ``istio_build``.
+    the DNS proxy's ``istio_dns_*``; ``process`` the ``process_*`` figures of the process tree
+    (:class:`ProcessMetrics`); ``build_info`` sets ``istio_build``.
     """
 
     def __init__(
@@ -840,7 +974,7 @@ class Metrics:
         # resolved by hostname when a connection picks them.
         self.on_demand_dns = Family(
             "istio_on_demand_dns",
-            "The total number of requests that used on-demand DNS (unstable)",
+            "The total number of requests that used on-demand DNS (unstable).",
             "counter",
             ON_DEMAND_DNS_LABEL_NAMES,
             registry=registry,
@@ -856,8 +990,8 @@ class Metrics:
             registry=registry,
         )
         self.dns = DnsMetrics(registry) if dns else None  # the DNS proxy, when it is on
-        if process:
-            ProcessCollector(registry=registry)
+        self.crl = crl_metrics(registry)
+        self.process = ProcessMetrics(registry) if process else None
 
     def on_demand_dns_used(self, source: Any, hostname: str) -> None:
         """Count one on-demand DNS resolution of ``hostname`` by a connection from
@@ -1163,12 +1297,9 @@ class HistogramFamily:
             cells = list(self._cells.values())
         yield _HistogramSnapshot(self, cells)
 
-    def render(self, cells: list[HistogramCell], openmetrics: bool) -> Iterator[str]:
+    def render(self, cells: list[HistogramCell]) -> Iterator[str]:
         fam = self.name
-        yield f"# HELP {fam} {_escape_help(self.documentation)}\n"
-        yield f"# TYPE {fam} histogram\n"
-        if openmetrics and self.unit:
-            yield f"# UNIT {fam} {self.unit}\n"
+        yield from _descriptor(fam, self.documentation, "histogram", self.unit)
         names = self.labelnames
         for cell in cells:
             text = cell.text

@@ -6,7 +6,7 @@ the deny in the destination's access log and DENY metric), a DENY on one port, a
 (``notPrincipals: [Presence]``) refusing a plaintext client while mTLS passes. The admin
 ``/debug/authz`` endpoint answers what the proxy did. Dynamic policies (shared mode, all config
 from a fake istiod over xDS): policies added while connections are open close exactly the
-connections they no longer allow, and the close is logged with the reason and policy.
+connections they no longer allow, as Rust logs and counts them (DENY), with Rust's decision lines.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_allow_admits_one_service_account_and_denies_another(static: Static) -> 
     # The destination logged the deny, with the reason; the allowed one completed cleanly.
     denied = completed(static.zt["s1"], "inbound", **{"src.identity": sid("sa-c")})
     assert denied["error"] == NOT_ALLOWED
-    assert denied["dst.addr"] == f"{s1.ip4}:9101"
+    assert (denied["dst.addr"], denied["dst.hbone_addr"]) == (f"{s1.ip4}:15008", f"{s1.ip4}:9101")
     allowed = completed(static.zt["s1"], "inbound", **{"src.identity": sid("sa-a")})
     assert "error" not in allowed
     # istio_tcp_connections_failed_total counts the deny on the destination.
@@ -224,7 +224,7 @@ def test_deny_on_one_port(static: Static) -> None:
     a, s1 = static.pods["a"], static.pods["s1"]
     assert not echo_ok(a, s1, 9102)
     assert echo_ok(a, s1, 9101)
-    denied = completed(static.zt["s1"], "inbound", **{"dst.addr": f"{s1.ip4}:9102"})
+    denied = completed(static.zt["s1"], "inbound", **{"dst.hbone_addr": f"{s1.ip4}:9102"})
     assert denied["error"] == "explicitly denied by: default/deny-9102"
     assert denied["src.identity"] == sid("sa-a")
     out = completed(static.zt["a"], "outbound", **{"dst.hbone_addr": f"{s1.ip4}:9102"})
@@ -274,7 +274,8 @@ def test_policy_added_while_connections_are_open_closes_them() -> None:
         MeshPod("c2", "n1", "sa-c2"),
         MeshPod("s1", "n2", "sa-s1"),
     )
-    with xds_mesh(pods, tls=False) as mesh:
+    # Decision logs at info (Rust AUTHZ_POLICY_INFO_LOGGING): the re-checks say which policy.
+    with xds_mesh(pods, tls=False, extra_env={"AUTHZ_POLICY_INFO_LOGGING": "true"}) as mesh:
         s1 = mesh.pods["s1"]
         zt = mesh.ztunnel_of("s1")
         for node in mesh.nodes:  # all configuration arrived over xDS
@@ -291,6 +292,9 @@ def test_policy_added_while_connections_are_open_closes_them() -> None:
             plain = stack.enter_context(connect_from(mesh.istiod_host, s1.ip4, 8080, timeout=5))
             plain.sendall(b"plain\n")
             assert recv_line(plain) == "plain"
+            # Each was checked once, with no policy yet: Rust's "no allow policies, allow".
+            zt.wait_for(lambda r: r.get("message") == "no allow policies, allow")
+            since = len(zt.records)
 
             # An ALLOW for sa-c1 only: c2's open connection is closed, c1's lives on.
             _push(
@@ -307,9 +311,10 @@ def test_policy_added_while_connections_are_open_closes_them() -> None:
             )
             assert closed_by_peer(conns["c2"])
             assert closed_by_peer(plain)
-            late = f"connection closed because it is no longer allowed by policy: {NOT_ALLOWED}"
+            # Rust Error::AuthorizationPolicyLateRejection, flag DENY
+            late = "connection closed due to policy change"
             rec = completed(zt, "inbound", **{"src.identity": sid("sa-c2")})
-            assert rec["error"] == late
+            assert rec["error"] == late and rec["level"] == "error"
             rec = zt.wait_for(
                 lambda r: (
                     r.get("message") == "connection complete"
@@ -319,8 +324,28 @@ def test_policy_added_while_connections_are_open_closes_them() -> None:
             assert rec["error"] == late and "src.identity" not in rec
             conns["c1"].sendall(b"still\n")
             assert recv_line(conns["c1"]) == "still"
+            # The re-checks logged Rust's decision lines (scope ztunnel::state, at info here)
+            # and Rust's close line (ztunnel::proxy).
+            decisions = [
+                (r["message"], r.get("policy"))
+                for r in zt.records[since:]
+                if r.get("scope") == "ztunnel::state"
+            ]
+            assert ("allow policy match", "default/allow-c1") in decisions, decisions
+            assert ("no allow policies matched", None) in decisions, decisions
+            assert {
+                r["level"] for r in zt.records[since:] if r.get("scope") == "ztunnel::state"
+            } == {"info"}
+            closes = [
+                r["message"]
+                for r in zt.records[since:]
+                if str(r.get("message")).endswith(
+                    "closed because it's no longer allowed after a policy update"
+                )
+            ]
+            assert len(closes) == 2 and all(m.startswith("connection ") for m in closes), closes
 
-            # A DENY naming sa-c1: now c1's connection closes too, and the log names the policy.
+            # A DENY naming sa-c1: now c1's connection closes too.
             _push(
                 mesh,
                 _policy(
@@ -335,17 +360,28 @@ def test_policy_added_while_connections_are_open_closes_them() -> None:
             )
             assert closed_by_peer(conns["c1"])
             rec = completed(zt, "inbound", **{"src.identity": sid("sa-c1")})
-            assert rec["error"] == (
-                "connection closed because it is no longer allowed by policy: "
-                "explicitly denied by: default/deny-c1"
-            )
-            assert rec["dst.addr"] == f"{s1.ip4}:8080"
+            assert rec["error"] == late
+            # Rust logs an inbound HBONE connection's own address (15008) as dst.addr
+            assert rec["dst.addr"] == f"{s1.ip4}:15008"
+            assert rec["dst.hbone_addr"] == f"{s1.ip4}:8080"
             zt.wait_for(
                 lambda r: (
-                    r.get("scope") == "ztunnel::proxy"
-                    and "default/deny-c1" in str(r.get("message"))
+                    r.get("scope") == "ztunnel::state"
+                    and r.get("message") == "deny policy match"
+                    and r.get("policy") == "default/deny-c1"
                 )
             )
+            # The three closes count as DENY in closed and failed (Rust
+            # extract_failure_reason: AuthorizationPolicyLateRejection -> DENY).
+            status, text = http_get(mesh.nodes["n2"], STATS_PORT, "/metrics")
+            assert status == 200
+            for family in (
+                "istio_tcp_connections_closed_total",
+                "istio_tcp_connections_failed_total",
+            ):
+                assert metric(text, family, reporter="destination", response_flags="DENY") == 3, [
+                    line for line in text.splitlines() if family in line
+                ]
         echo.stop()
         # The destination ztunnel's live explain agrees with both closes.
         d = explain(mesh, sid("sa-c1"), uid("s1"), 8080)

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("require_root")]
 
 VIP4 = "10.96.0.10"
 VIP6 = "fd96::10"
+EMPTY_VIP = "10.96.0.11"  # a service with no endpoints
 
 
 def local_config(client: Pod, server: Pod) -> str:
@@ -56,6 +57,11 @@ services:
   namespace: default
   hostname: echo.default.svc.cluster.local
   vips: ["/{VIP4}", "/{VIP6}"]
+  ports: {{80: 8080}}
+- name: empty
+  namespace: default
+  hostname: empty.default.svc.cluster.local
+  vips: ["/{EMPTY_VIP}"]
   ports: {{80: 8080}}
 """
 
@@ -184,9 +190,22 @@ def test_connections_to_own_ports_are_refused(bed: Bed, target: str, port: int) 
     with connect_from(bed.client, ip, port) as s:
         s.settimeout(5)
         assert s.recv(1) == b""  # accepted then closed: never looped back into ztunnel
-    bed.zt.wait_for(
+    rec = bed.zt.wait_for(
         lambda r: r.get("message") == "connection failed" and f":{port}" in r.get("dst.addr", "")
     )
+    assert rec["error"] == "attempted recursive call to ourselves"  # Rust Error::SelfCall
+
+
+def test_service_without_endpoints_is_no_healthy_upstream(bed: Bed) -> None:
+    """Rust ``Error::NoHealthyUpstream(target)``: refused early, the VIP and port named."""
+    with connect_from(bed.client, EMPTY_VIP, 80) as s:
+        s.settimeout(5)
+        assert s.recv(1) == b""
+    rec = bed.zt.wait_for(
+        lambda r: r.get("message") == "connection failed" and r.get("dst.addr") == f"{EMPTY_VIP}:80"
+    )
+    assert (rec["level"], rec["direction"]) == ("warn", "outbound")
+    assert rec["error"] == f"no healthy upstream: {EMPTY_VIP}:80"
 
 
 def test_inbound_plaintext_reaches_app_with_client_ip(bed: Bed) -> None:

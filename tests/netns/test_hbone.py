@@ -147,7 +147,9 @@ def test_connect_refused_app_gives_503(m: Mesh) -> None:
     assert rec["direction"] == "outbound"
     m.ztb.wait_for(
         lambda r: (
-            r.get("direction") == "inbound" and "9999" in str(r.get("dst.addr")) and "error" in r
+            r.get("direction") == "inbound"
+            and str(r.get("dst.hbone_addr")).endswith(":9999")
+            and "error" in r
         )
     )
 

@@ -234,7 +234,9 @@ def test_ztunnel_client_to_node_server(bed: Bed, family: str) -> None:
     assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]", req["traceparent"])
     a_ip = getattr(a, family)
     assert re.fullmatch(rf'for="{re.escape(host_part(a_ip))}:\d+"', req["forwarded"])
-    assert "k8s.namespace.name=default" in req["baggage"]
+    # Rust Workload::baggage: the source workload's own fields only; it has no clusterId, so
+    # no k8s.cluster.name (not ztunnel's CLUSTER_ID instead).
+    assert req["baggage"] == "k8s.namespace.name=default,k8s..name=a-deploy,service.name=a-app"
     closed = server_event(
         bed, lambda ev: ev["event"] == "closed" and ev["authority"] == authority(ip, sink_port)
     )

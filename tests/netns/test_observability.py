@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import gzip
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import socket
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from backports import zstd
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as parse_openmetrics,
 )
@@ -55,6 +58,7 @@ from ztunnel.testing.apps import (
     payload_chunks,
     recv_all,
     recv_digest,
+    recv_line,
     send_payload,
     start_app,
 )
@@ -604,13 +608,13 @@ def test_metrics_hbone_via_service_exact_labels_and_values(obs: Obs) -> None:
     for pod in (o.a, o.b):
         text = scrape(pod, "/metrics")
         prom = scrape(pod, "/stats/prometheus")
-        assert text.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert text.headers["content-type"] == "text/plain; charset=utf-8"
         assert prom.headers["content-type"] == text.headers["content-type"]
         series = parse_samples(text.text)
         # The same registry on both paths (process_* CPU and memory move between two scrapes).
         assert ours(parse_samples(prom.text)) == ours(series)
         assert series[("istio_build", (("component", "ztunnel"), *_tag(series)))] == 1
-        assert "# TYPE istio_tcp_connections_opened_total counter" in text.text
+        assert "# TYPE istio_tcp_connections_opened counter" in text.text
         assert series[("istio_tcp_sockets_open", (("reporter", "source"),))] == 0
         assert series[("istio_tcp_sockets_open", (("reporter", "destination"),))] >= 0
 
@@ -653,11 +657,14 @@ def test_metrics_destination_labels_from_baggage(obs: Obs) -> None:
     )
     got = delta(before_b, traffic_series(o.b))
     assert got == counted(want, 1234, 1234), show(got)
-    # The access log falls back to the baggage too: canonical service and namespace.
+    # The access log falls back to the baggage too: canonical service, namespace and cluster
+    # (Rust's src.cluster is the source_cluster label: the baggage's k8s.cluster.name here).
     assert rec["src.addr"].startswith(f"{o.ext.ip4}:")
     assert rec["src.workload"] == "bag-app"
     assert rec["src.namespace"] == "ns-bag"
     assert rec["src.identity"] == str(TESTER)
+    assert rec["src.cluster"] == "cluster9"
+    assert rec["dst.cluster"] == B.cluster
     assert "dst.service" not in rec
 
 
@@ -691,8 +698,11 @@ def test_metrics_plaintext_passthrough_and_refused(obs: Obs) -> None:
     passthrough = traffic("source", source=A, principal=U, dest=None, service=False, security=U)
     hbone = traffic("source", source=A, principal=A.principal, dest=B, service=False)
     got_a = delta(before_a, traffic_series(o.a))
-    # The source side sees a completed tunnel that the server refused: no response flag there.
-    assert got_a == merged(counted(passthrough, 700, 700), counted(hbone, 0, 0)), show(got_a)
+    # The source side's tunnel was refused (503): an unclassified failure, CONNECT (Rust
+    # Error::HttpStatus -> extract_failure_reason's catch-all).
+    assert got_a == merged(
+        counted(passthrough, 700, 700), counted(hbone, 0, 0, close_flags="CONNECT")
+    ), show(got_a)
 
     plaintext_in = traffic(
         "destination", source=None, principal=U, dest=B, service=False, security=U
@@ -705,28 +715,170 @@ def test_metrics_plaintext_passthrough_and_refused(obs: Obs) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_metrics_openmetrics_when_asked(obs: Obs) -> None:
+def test_stats_body_and_compression_as_rust(obs: Obs) -> None:
+    """Rust metrics/server.rs: prometheus-client's OpenMetrics text (# UNIT lines, # EOF) on
+    every request, labelled text/plain unless OpenMetrics is asked for; tower-http's
+    compression by Accept-Encoding; the CRL counters declared without CRL_PATH."""
     o = obs
     since_a, since_b = mark(o.zta), mark(o.ztb)
     assert echo_roundtrip(o.a, o.b.ip4, ECHO_PORT) == b"hello\n"
     wait_completed(o, since_a, since_b, f"{o.b.ip4}:{ECHO_PORT}")  # counters settled
     accept = "application/openmetrics-text; version=1.0.0,text/plain;version=0.0.4;q=0.5"
     for pod in (o.a, o.b):
-        text = {k: v for k, v in parse_samples(scrape(pod).text).items() if k[0] in TRAFFIC_METRICS}
+        plain = scrape(pod)
+        assert plain.headers["content-type"] == "text/plain; charset=utf-8"
+        assert plain.text.endswith("\n# EOF\n")
+        families = {f.name: f for f in parse_openmetrics(plain.text)}  # type: ignore[no-untyped-call]
+        for name in ("istio_tcp_connections_opened", "istio_tcp_sent_bytes"):
+            assert families[name].type == "counter"
+            assert f"# TYPE {name} counter\n" in plain.text
+        assert "# UNIT istio_xds_message_bytes bytes\n" in plain.text
+        assert "# UNIT istio_dns_upstream_request_duration_seconds seconds\n" in plain.text
+        for crl in ("istio_crl_policy_rejections", "istio_crl_untracked_connections"):
+            assert f"# TYPE {crl} counter\n" in plain.text and families[crl].samples == []
+        text = {k: v for k, v in parse_samples(plain.text).items() if k[0] in TRAFFIC_METRICS}
         assert text
         for path in ("/metrics", "/stats/prometheus"):
             om = scrape(pod, path, accept=accept)
             assert om.headers["content-type"] == (
-                "application/openmetrics-text; version=1.0.0; charset=utf-8"
+                "application/openmetrics-text;charset=utf-8;version=1.0.0"
             )
-            assert om.text.endswith("# EOF\n")
-            families = {f.name: f for f in parse_openmetrics(om.text)}  # type: ignore[no-untyped-call]
-            for name in ("istio_tcp_connections_opened", "istio_tcp_sent_bytes"):
-                assert families[name].type == "counter"
-                assert f"# TYPE {name} counter\n" in om.text
             samples = parse_samples(om.text)
-            # The same series, the same label order, the same values as the text format.
+            # The same body: series, label order and values.
             assert {k: v for k, v in samples.items() if k[0] in TRAFFIC_METRICS} == text
+
+        def get(encoding: str, pod: Pod = pod) -> HttpResponse:
+            return http(
+                pod, "127.0.0.1", 15020, "/metrics", headers=[("Accept-Encoding", encoding)]
+            )
+
+        for asked, coding, decode in (
+            ("gzip", "gzip", gzip.decompress),
+            ("deflate", "deflate", zlib.decompress),
+            ("deflate, gzip, br, zstd", "zstd", zstd.decompress),  # curl --compressed
+            ("gzip;q=0.5, zstd;q=0.1", "gzip", gzip.decompress),
+        ):
+            r = get(asked)
+            assert (r.status, r.headers.get("content-encoding")) == (200, coding), asked
+            assert r.headers["vary"] == "accept-encoding"
+            body = decode(r.body).decode()
+            assert body.endswith("\n# EOF\n")
+            assert {k: v for k, v in parse_samples(body).items() if k[0] in TRAFFIC_METRICS} == text
+        r = get("br")  # not served here: identity is still acceptable
+        assert (r.status, r.headers.get("content-encoding")) == (200, None)
+        assert get("identity;q=0").status == 406  # nothing acceptable left
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (a ztunnel: supervisor, zygote, workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def tree_fds(pids: Sequence[int]) -> int:
+    return sum(len(os.listdir(f"/proc/{p}/fd")) for p in pids)
+
+
+def nofile_soft(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError(f"no fd limit for {pid}")
+
+
+def gauge(text: str, name: str) -> float:
+    [value] = [v for (n, labels), v in parse_samples(text).items() if n == name and not labels]
+    return value
+
+
+def tree_cpu(pids: Sequence[int]) -> float:
+    total = 0
+    for p in pids:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+HELD = 50
+
+
+@pytest.mark.timeout(90)
+def test_process_metrics_and_logs_with_two_workers() -> None:
+    """Issue "Safe in a live mesh": process_open_fds follows the whole process tree (the
+    supervisor, the zygote, two workers) as connections are held open, process_max_fds is the
+    lowest limit in it, and the CPU counter covers the tree. The workers' access-log lines
+    share ztunnel's stdout (Rust logs to stdout) and never tear; nothing goes to stderr."""
+    with two_pods() as (tb, a, b, ca_dir, _ca):
+        ext = tb.add_external("ext")
+        env = mesh_env(
+            ca_dir,
+            mesh_yaml(a, b),
+            CONNECTION_TERMINATION_DEADLINE="1s",
+            PROXY_WORKLOAD_INFO="default/b/sa-b",
+            NODE_NAME="n2",
+            ZTUNNEL_WORKER_THREADS="2",
+        )
+        ztb = ZtunnelProcess(b, env)
+        try:
+            ztb.start()
+            start_app(b, "echo", ports=(ECHO_PORT,))
+            tree = process_tree(ztb.pid)
+            assert len(tree) == 4, tree  # supervisor, zygote, 2 workers
+
+            def figures() -> tuple[float, float, float, int]:
+                low = tree_fds(tree)
+                text = scrape(b).text
+                high = tree_fds(tree)
+                return (
+                    gauge(text, "process_open_fds"),
+                    gauge(text, "process_max_fds"),
+                    gauge(text, "process_cpu_seconds_total"),
+                    (low + high) // 2,
+                )
+
+            cpu_before = tree_cpu(tree)
+            fds0, max0, cpu0, real0 = figures()
+            own0 = tree_fds([ztb.pid])
+            # +1: the scrape's own connection, open in the supervisor while it answers
+            assert abs(fds0 - (real0 + 1)) <= 2, (fds0, real0)
+            assert max0 == min(nofile_soft(p) for p in tree)
+            assert cpu0 >= cpu_before - 0.02, (cpu0, cpu_before)
+            since = mark(ztb)
+            with contextlib.ExitStack() as stack:
+                # Plaintext from outside the mesh (15006): each connection is accepted by
+                # whichever worker wakes first, and holds two sockets there.
+                for i in range(HELD):
+                    s = stack.enter_context(connect_from(ext, b.ip4, ECHO_PORT, timeout=10))
+                    s.sendall(f"{i}\n".encode())
+                    assert recv_line(s, timeout=10) == str(i)
+                fds1, _, _, real1 = figures()
+                assert tree_fds([ztb.pid]) - own0 < 5  # not the supervisor's sockets ...
+                assert fds1 - fds0 >= 2 * HELD, (fds0, fds1)  # ... but counted
+                assert abs(fds1 - (real1 + 1)) <= 2, (fds1, real1)
+            wait_until(
+                lambda: len(access_records(ztb, since, "connection complete", "inbound")) >= HELD,
+                what=f"{HELD} inbound access-log lines",
+            )
+            # Every stdout line was whole JSON (a torn one would be a "raw" record), and
+            # ztunnel wrote nothing to stderr.
+            raw = [r for r in ztb.records if r.get("level") == "raw"]
+            assert raw == [], raw[:3]
+            assert ztb.stderr_records() == []
+        except BaseException:
+            ztb.stop()
+            raise
+        stop_all_cleanly([ztb])
 
 
 def recv_exact(s: socket.socket, n: int, timeout: float = 10.0) -> bytes:
@@ -861,31 +1013,35 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "src.workload": "a",
         "src.namespace": "default",
         "src.identity": A.principal,
+        "src.cluster": A.cluster,
         "dst.addr": f"{b4}:15008",
         "dst.hbone_addr": f"{b4}:{TARGET_PORT}",
         "dst.service": SVC_HOST,
         "dst.workload": "b",
         "dst.namespace": "default",
         "dst.identity": B.principal,
+        "dst.cluster": B.cluster,
         "direction": "outbound",
     }
     rec_open, rec_done = both(o.zta, since_a, "outbound", src_addr=f"{a4}:{port}")
     check_access(rec_open, "debug", opened)
     check_access(rec_done, "info", completed(opened, REQUEST_BYTES, RESPONSE_BYTES))
 
-    # ... and its destination side (plain text). Rust logs dst.addr as <pod>:15008 here too;
-    # this implementation logs the app address (the same as dst.hbone_addr).
+    # ... and its destination side (plain text). dst.addr is the connection's own address,
+    # <pod>:15008, as Rust logs it (inbound.rs build_inbound_request: original_dst).
     opened = {
         "src.addr": addr_of(a4),
         "src.workload": "a",
         "src.namespace": "default",
         "src.identity": A.principal,
-        "dst.addr": re.compile(re.escape(b4) + f":(15008|{TARGET_PORT})"),
+        "src.cluster": A.cluster,
+        "dst.addr": f"{b4}:15008",
         "dst.hbone_addr": f"{b4}:{TARGET_PORT}",
         "dst.service": SVC_HOST,
         "dst.workload": "b",
         "dst.namespace": "default",
         "dst.identity": B.principal,
+        "dst.cluster": B.cluster,
         "direction": "inbound",
     }
     rec_open, rec_done = both(o.ztb, since_b, "inbound", dst_hbone_addr=f"{b4}:{TARGET_PORT}")
@@ -898,11 +1054,13 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "src.workload": "b",
         "src.namespace": "default",
         "src.identity": B.principal,
+        "src.cluster": B.cluster,
         "dst.addr": f"{a4}:15008",
         "dst.hbone_addr": f"{a4}:{ECHO_PORT}",
         "dst.workload": "a",
         "dst.namespace": "default",
         "dst.identity": A.principal,
+        "dst.cluster": A.cluster,
         "direction": "outbound",
     }
     rec_open, rec_done = both(o.ztb, since_b, "outbound", src_addr=f"{b4}:{b_port}")
@@ -914,11 +1072,13 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "src.workload": "b",
         "src.namespace": "default",
         "src.identity": B.principal,
-        "dst.addr": re.compile(re.escape(a4) + f":(15008|{ECHO_PORT})"),
+        "src.cluster": B.cluster,
+        "dst.addr": f"{a4}:15008",
         "dst.hbone_addr": f"{a4}:{ECHO_PORT}",
         "dst.workload": "a",
         "dst.namespace": "default",
         "dst.identity": A.principal,
+        "dst.cluster": A.cluster,
         "direction": "inbound",
     }
     rec_open, rec_done = both(o.zta, since_a, "inbound", dst_hbone_addr=f"{a4}:{ECHO_PORT}")
@@ -930,6 +1090,7 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "src.addr": f"{a4}:{ext_port}",
         "src.workload": "a",
         "src.namespace": "default",
+        "src.cluster": A.cluster,
         "dst.addr": f"{o.ext.ip4}:{EXT_ECHO_PORT}",
         "direction": "outbound",
     }
@@ -941,6 +1102,7 @@ def test_access_log_json_and_plain_text(obs: Obs) -> None:
         "dst.addr": echo_b,
         "dst.workload": "b",
         "dst.namespace": "default",
+        "dst.cluster": B.cluster,
         "direction": "inbound",
     }
     rec_open, rec_done = both(o.ztb, since_b, "inbound", src_addr=f"{o.ext.ip4}:{in_port}")
@@ -990,7 +1152,9 @@ def test_admin_listens_on_localhost_only(obs: Obs) -> None:
             assert read_until_closed(s) == b""
     for src in (o.a.ip4, o.ext.ip4):
         rec = access_record(o.ztb, since_b, "connection complete", "inbound", src_ip=src)
-        assert rec["level"] == "error" and f"{o.b.ip4}:15000" in str(rec["dst.addr"]), rec
+        # (HBONE names the app's address in dst.hbone_addr, plaintext in dst.addr)
+        target = rec.get("dst.hbone_addr", rec["dst.addr"])
+        assert rec["level"] == "error" and target == f"{o.b.ip4}:15000", rec
     access_record(o.zta, since_a, "connection complete", "outbound", {"dst.hbone_addr": admin_b})
     # Stats and readiness listen on the wildcard.
     assert http(o.b, o.b.ip4, 15020, "/metrics").status == 200

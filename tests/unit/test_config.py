@@ -70,6 +70,15 @@ def test_termination_deadline_from_grace_period(grace: str, deadline: int) -> No
     assert c.connection_termination_deadline == timedelta(seconds=7)
 
 
+@pytest.mark.parametrize(
+    ("value", "on"), [(None, False), ("true", True), ("True", False), ("1", False), ("", False)]
+)
+def test_authz_policy_info_logging_is_exactly_true(value: str | None, on: bool) -> None:
+    # Rust config.rs AUTHZ_POLICY_INFO_LOGGING: env::var(...) == "true", nothing else.
+    env = {} if value is None else {"AUTHZ_POLICY_INFO_LOGGING": value}
+    assert Config.from_env(env).authz_policy_info_logging is on
+
+
 def test_headers_and_flags() -> None:
     c = Config.from_env(
         {"XDS_HEADER_X-Foo": "a", "CA_HEADER_bar": "b", "FAKE_CA": "true", "CA_ADDRESS": "x:1"}

@@ -108,7 +108,7 @@ def test_log_fields_renders_as_logger_extra_fields() -> None:
 
 
 class _Stream(io.StringIO):
-    """Counts write calls: each is one syscall on a real stderr."""
+    """Counts write calls: each is one syscall on a real stdout."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -177,8 +177,8 @@ async def test_batching_handler_flushes_on_shutdown_and_from_threads() -> None:
 
 
 async def test_batching_handler_writes_are_pipe_atomic() -> None:
-    """Whole lines, at most PIPE_BUF characters per write: several processes can share one
-    stderr pipe without tearing each other's lines."""
+    """Whole lines, at most PIPE_BUF bytes per write: several processes can share one stdout
+    pipe without tearing each other's lines."""
     stream = _Stream()
     lg = _batching(stream)
     lg.handlers[0].max_buffer = 1 << 20  # type: ignore[attr-defined]
@@ -196,6 +196,52 @@ async def test_batching_handler_writes_are_pipe_atomic() -> None:
     await asyncio.sleep(0)
     assert max(sizes) <= logs.PIPE_BUF and sum(sizes) == 101 * 1000
     assert stream.getvalue().splitlines()[999] == "0999 " + "y" * 95
+
+
+async def test_batching_handler_counts_bytes_not_characters() -> None:
+    """A line that is not ASCII takes more bytes than characters on the pipe: the PIPE_BUF
+    bound is in bytes (a write of 4096 characters of 2-byte text would be 8 KiB, not atomic)."""
+    stream = _Stream()
+    lg = _batching(stream)
+    lg.handlers[0].max_buffer = 1 << 20  # type: ignore[attr-defined]
+    sizes: list[int] = []
+    original = stream.write
+
+    def write(s: str) -> int:
+        sizes.append(len(s.encode()))
+        return original(s)
+
+    stream.write = write  # type: ignore[method-assign]
+    for i in range(200):
+        lg.info("%04d %s", i, "é" * 95)  # 195 bytes a line with its newline
+    await asyncio.sleep(0)
+    assert max(sizes) <= logs.PIPE_BUF and sum(sizes) == 196 * 200
+    assert len(sizes) == -(-200 // (logs.PIPE_BUF // 196))
+
+
+def test_setup_logs_to_stdout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rust's tracing writer is stdout (``src/telemetry.rs`` ``setup_logging``), and so is ours:
+    nothing goes to stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logs.setup("json", "info")
+        logging.getLogger("access").info("connection complete")
+        logging.getLogger("ztunnel.test").warning("something")
+        for h in root.handlers:
+            h.flush()  # (what logging.shutdown does at exit)
+        lines = [json.loads(line) for line in out.getvalue().splitlines()]
+        assert [(r["scope"], r["message"]) for r in lines] == [
+            ("access", "connection complete"),
+            ("ztunnel::test", "something"),
+        ]
+        assert err.getvalue() == ""
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
 
 
 def test_rate_limited_log_says_how_many_it_held_back(caplog: pytest.LogCaptureFixture) -> None:

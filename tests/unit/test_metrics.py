@@ -8,7 +8,16 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ztunnel.core.errors import AuthorizationDenied, ResponseFlag
+from ztunnel.core.errors import (
+    AuthorizationDenied,
+    CertificateRevoked,
+    NoHealthyUpstream,
+    PolicyLateRejection,
+    ProxyError,
+    ResponseFlag,
+    TlsFailure,
+    UpstreamConnectError,
+)
 from ztunnel.core.identity import Identity
 from ztunnel.hbone.headers import parse_baggage
 from ztunnel.metrics import (
@@ -17,7 +26,9 @@ from ztunnel.metrics import (
     Metrics,
     Reporter,
     SecurityPolicy,
+    crl_metrics,
     encode,
+    export_xds,
     flag_for,
     traffic_labels,
     wants_openmetrics,
@@ -213,11 +224,25 @@ def test_destination_identity_override_and_flag() -> None:
     assert labels["response_flags"] == "DENY"
 
 
-def test_flag_for() -> None:
-    assert flag_for(AuthorizationDenied("no")) is ResponseFlag.DENY
-    assert flag_for("some string") is ResponseFlag.NONE
-    assert flag_for(None) is ResponseFlag.NONE
-    assert flag_for(OSError()) is ResponseFlag.NONE
+@pytest.mark.parametrize(
+    ("outcome", "flag"),
+    [
+        (None, ResponseFlag.NONE),
+        (AuthorizationDenied("no"), ResponseFlag.DENY),
+        (PolicyLateRejection(), ResponseFlag.DENY),
+        (CertificateRevoked(), ResponseFlag.CERT_REVOKED),
+        (TlsFailure("x"), ResponseFlag.TLS_FAILURE),
+        (UpstreamConnectError("refused"), ResponseFlag.CONNECT),
+        # Unclassified: CONNECT (Rust extract_failure_reason's catch-all)
+        (NoHealthyUpstream("10.0.0.1:80"), ResponseFlag.CONNECT),
+        (ProxyError("anything"), ResponseFlag.CONNECT),
+        (OSError(), ResponseFlag.CONNECT),
+        ("HBONE CONNECT to 10.0.0.1:80 failed with status 401", ResponseFlag.CONNECT),
+    ],
+)
+def test_flag_for(outcome: BaseException | str | None, flag: ResponseFlag) -> None:
+    # Rust src/proxy/metrics.rs ConnectionResult::record -> extract_failure_reason
+    assert flag_for(outcome) is flag
 
 
 # --- the metric set --------------------------------------------------------------------------
@@ -386,31 +411,118 @@ def test_two_registries_are_independent() -> None:
 # --- encoding --------------------------------------------------------------------------------
 
 
-def test_text_encoding_keeps_label_order(reg: CollectorRegistry) -> None:
+def test_encoding_keeps_label_order(reg: CollectorRegistry) -> None:
     m = Metrics(reg, tag="t")
     labels = traffic_labels(Reporter.SOURCE, source=CLIENT, destination=SERVER)
     m.open_connection(labels)
     text = encode(reg).decode()
-    assert "# TYPE istio_tcp_connections_opened_total counter\n" in text
     line = next(ln for ln in text.splitlines() if ln.startswith("istio_tcp_connections_opened"))
     names = [kv.split("=", 1)[0] for kv in line[line.index("{") + 1 : line.index("}")].split(",")]
     assert names == list(TRAFFIC_LABEL_NAMES)
     assert line.endswith("} 1")
     assert 'istio_build{component="ztunnel",tag="t"} 1\n' in text
-    assert "process_open_fds " in text
-    assert "# EOF" not in text
     assert "_created" not in text
 
 
-def test_openmetrics_encoding(reg: CollectorRegistry) -> None:
-    m = Metrics(reg, tag="t")
+def test_exposition_is_prometheus_clients_openmetrics(reg: CollectorRegistry) -> None:
+    """What Rust's prometheus-client 0.24 writes (encoding/text.rs): OpenMetrics, a counter
+    family named without _total and its samples with it, HELP as registered plus a period
+    (Registry::register), a # UNIT line for register_with_unit, one # EOF last."""
+    m = Metrics(reg, tag="t", dns=True)
+    export_xds(reg, lambda: None)
     m.open_connection(traffic_labels(Reporter.SOURCE, source=CLIENT))
-    text = encode(reg, openmetrics=True).decode()
-    assert text.endswith("# EOF\n")
-    assert text.count("# EOF") == 1
-    assert "# TYPE istio_tcp_connections_opened counter\n" in text
-    assert "\nistio_tcp_connections_opened_total{" in text
-    assert "# TYPE process_open_fds gauge" in text
+    text = encode(reg).decode()
+    assert text.endswith("\n# EOF\n") and text.count("# EOF") == 1
+    assert (
+        "# HELP istio_tcp_connections_opened The total number of TCP connections opened.\n"
+        "# TYPE istio_tcp_connections_opened counter\n"
+        "istio_tcp_connections_opened_total{"
+    ) in text
+    assert (
+        "# HELP istio_xds_message_bytes Total number of bytes received (unstable).\n"
+        "# TYPE istio_xds_message_bytes counter\n"
+        "# UNIT istio_xds_message_bytes bytes\n"
+    ) in text
+    assert (
+        "# TYPE istio_dns_upstream_request_duration_seconds histogram\n"
+        "# UNIT istio_dns_upstream_request_duration_seconds seconds\n"
+    ) in text
+    # Rust's process collector writes its HELP as is (no period added).
+    assert "# HELP process_open_fds Number of open file descriptors\n" in text
+    assert "# HELP process_max_fds Maximum number of file descriptors\n" in text
+
+
+# Rust's HELP texts (src/**/metrics.rs, Registry::register adds the period), by family.
+RUST_HELP = {
+    "istio_build": "Istio component build info.",
+    "istio_tcp_connections_opened": "The total number of TCP connections opened.",
+    "istio_tcp_connections_closed": "The total number of TCP connections closed.",
+    "istio_tcp_received_bytes": (
+        "The size of total bytes received during request in case of a TCP connection."
+    ),
+    "istio_tcp_sent_bytes": (
+        "The size of total bytes sent during response in case of a TCP connection."
+    ),
+    "istio_on_demand_dns": "The total number of requests that used on-demand DNS (unstable).",
+    "istio_tcp_connections_failed": (
+        "The total number of TCP connections that failed to establish (unstable)."
+    ),
+    "istio_tcp_sockets_open": "The current number of open TCP sockets (unstable).",
+    "istio_crl_policy_rejections": (
+        "The total number of connections rejected due to CRL certificate revocation (unstable)."
+    ),
+    "istio_crl_untracked_connections": (
+        "The total number of connections not tracked for CRL enforcement (unstable)."
+    ),
+    "istio_xds_connection_terminations": (
+        "The total number of completed connections to xds server (unstable)."
+    ),
+    "istio_xds_message": "Total number of messages received (unstable).",
+    "istio_xds_message_bytes": "Total number of bytes received (unstable).",
+    "istio_dns_requests": "Total number of DNS requests (unstable).",
+    "istio_dns_upstream_requests": "Total number of DNS requests forwarded to upstream (unstable).",
+    "istio_dns_upstream_failures": (
+        "Total number of DNS requests that failed to forward upstream (unstable)."
+    ),
+    "istio_dns_upstream_request_duration_seconds": (
+        "Total time in seconds Istio takes to get DNS response from upstream (unstable)."
+    ),
+    "workload_manager_active_proxy_count": (
+        "The total number current workloads with active proxies (unstable)."
+    ),
+    "workload_manager_pending_proxy_count": (
+        "The total number current workloads with pending proxies (unstable)."
+    ),
+    "workload_manager_proxies_started": "The total number of proxies that were started (unstable).",
+    "workload_manager_proxies_stopped": "The total number of proxies that were stopped (unstable).",
+    "process_open_fds": "Number of open file descriptors",
+    "process_max_fds": "Maximum number of file descriptors",
+}
+
+
+def test_help_texts_are_rusts(reg: CollectorRegistry) -> None:
+    Metrics(reg, inpod=True, dns=True)
+    export_xds(reg, lambda: None)
+    helps = dict(
+        line.removeprefix("# HELP ").split(" ", 1)
+        for line in encode(reg).decode().splitlines()
+        if line.startswith("# HELP ")
+    )
+    assert {k: v for k, v in helps.items() if k in RUST_HELP} == RUST_HELP
+
+
+def test_crl_counters_are_registered_without_crl(reg: CollectorRegistry) -> None:
+    """Rust proxy::Metrics::new registers both CRL counters whether or not CRL_PATH is set;
+    the TLS policy (built first) and the proxies' metrics share them."""
+    counters = crl_metrics(reg)
+    m = Metrics(reg, process=False)
+    assert m.crl is counters
+    counters.untracked("destination")
+    counters.rejected("source")
+    text = encode(reg).decode()
+    assert "# TYPE istio_crl_policy_rejections counter\n" in text
+    assert 'istio_crl_untracked_connections_total{reporter="destination"} 1\n' in text
+    assert 'istio_crl_policy_rejections_total{reporter="source"} 1\n' in text
 
 
 def test_label_value_escaping(reg: CollectorRegistry) -> None:
@@ -425,15 +537,17 @@ def test_encoding_parses_with_prometheus_parser(reg: CollectorRegistry) -> None:
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
     from prometheus_client.parser import text_string_to_metric_families
 
-    m = Metrics(reg)
+    m = Metrics(reg, dns=True)
+    export_xds(reg, lambda: None)
     conn = m.open_connection(traffic_labels(Reporter.SOURCE, source=CLIENT, destination=SERVER))
     conn.close(5, 6, flag=ResponseFlag.DENY)
     text = encode(reg).decode()
-    fams = {f.name: f for f in text_string_to_metric_families(text)}
-    assert fams["istio_tcp_connections_failed"].samples[0].value == 1
-    om_text = encode(reg, openmetrics=True).decode()
-    om = {f.name: f for f in om_parse(om_text)}  # type: ignore[no-untyped-call]
+    om = {f.name: f for f in om_parse(text)}  # type: ignore[no-untyped-call]
     assert om["istio_tcp_received_bytes"].samples[0].value == 5
+    assert om["istio_xds_message_bytes"].unit == "bytes"
+    # Labelled text/plain (Rust's default content type), a text-format parser reads it too.
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["istio_tcp_connections_failed_total"] == 1
 
 
 def test_scrape_in_another_thread_while_labels_are_added(reg: CollectorRegistry) -> None:
@@ -462,15 +576,20 @@ def test_scrape_in_another_thread_while_labels_are_added(reg: CollectorRegistry)
 
 
 def test_wants_openmetrics() -> None:
-    assert not wants_openmetrics(None)
-    assert not wants_openmetrics("text/plain")
-    assert not wants_openmetrics("application/json")
-    assert wants_openmetrics("application/openmetrics-text; version=1.0.0")
+    # Rust metrics/server.rs content_type (and its test_content_type cases)
+    assert not wants_openmetrics([])
+    assert not wants_openmetrics(["text/plain"])
+    assert not wants_openmetrics(["application/json"])
+    assert wants_openmetrics(["application/json", "application/openmetrics-text; other stuff"])
     assert wants_openmetrics(
-        "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;q=0.6,"
-        "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,*/*;q=0.1"
+        [
+            "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
+            "encoding=delimited;q=0.6,application/openmetrics-text;version=1.0.0;"
+            "escaping=allow-utf-8;q=0.5,*/*;q=0.1"
+        ]
     )
-    assert wants_openmetrics("Application/OpenMetrics-Text")
+    assert wants_openmetrics(["Application/OpenMetrics-Text"])
+    assert not wants_openmetrics(["text/plain, application/openmetrics-text"])  # not trimmed
 
 
 def test_gzip_roundtrip_sanity(reg: CollectorRegistry) -> None:

@@ -20,7 +20,7 @@ def test_dns_metrics_are_registered_only_when_on() -> None:
     m = Metrics(reg, process=False, dns=True)
     assert m.dns is not None
     text = encode(reg).decode()
-    for name in ("istio_dns_requests_total", "istio_dns_upstream_requests_total"):
+    for name in ("istio_dns_requests", "istio_dns_upstream_requests"):
         assert f"# TYPE {name} counter" in text
     assert "# TYPE istio_dns_upstream_request_duration_seconds histogram" in text
 
@@ -64,9 +64,8 @@ def test_labels_and_encoding() -> None:
         "istio_dns_upstream_request_duration_seconds_count",
         "istio_dns_upstream_request_duration_seconds_bucket",
     }
-    om = encode(reg, openmetrics=True).decode()
-    assert "# UNIT istio_dns_upstream_request_duration_seconds seconds" in om
-    omf = {f.name: f for f in om_parse(om)}  # type: ignore[no-untyped-call]
+    assert "# UNIT istio_dns_upstream_request_duration_seconds seconds" in text
+    omf = {f.name: f for f in om_parse(text)}  # type: ignore[no-untyped-call]
     assert omf["istio_dns_requests"].samples[0].value == 2
     assert (
         reg.get_sample_value(

@@ -546,6 +546,23 @@ def test_baggage_carries_the_file_workload_type_as_is() -> None:
     assert "k8s..name=a" in baggage(w).split(",")
 
 
+def test_baggage_has_no_cluster_without_the_workloads_cluster_id() -> None:
+    # Rust Workload::baggage: cluster_id only when the workload's is not empty (no fallback to
+    # the proxy's CLUSTER_ID); from xDS an empty clusterId is already "Kubernetes".
+    from ztunnel.core.addr import SocketAddr
+    from ztunnel.hbone.headers import request_headers
+
+    def sent(yaml: str) -> str:
+        (w,) = load_local_config(yaml).workloads
+        client = SocketAddr.parse("10.0.0.1:1234")
+        return dict(request_headers(w, client, service_hostname=None))["baggage"]
+
+    assert sent("workloads:\n- {namespace: ns, name: a}\n") == "k8s.namespace.name=ns"
+    assert sent("workloads:\n- {namespace: ns, name: a, clusterId: c9}\n") == (
+        "k8s.cluster.name=c9,k8s.namespace.name=ns"
+    )
+
+
 # --- row: authorization policy key ------------------------------------------------------------------
 
 

@@ -30,15 +30,43 @@ class ProxyError(Exception):
 
 
 class SelfCallError(ProxyError):
+    """Rust ``Error::SelfCall``: a connection to one of ztunnel's own ports."""
+
     status = 400
 
-    def __init__(self, target: object) -> None:
-        super().__init__(f"call to ztunnel's own port refused: {target}")
+    def __init__(self, target: object = None) -> None:
+        super().__init__("attempted recursive call to ourselves")
+        self.target = target
 
 
 class NoHealthyUpstream(ProxyError):
-    def __init__(self, service: str) -> None:
-        super().__init__(f"no healthy upstream for service {service}")
+    """Rust ``Error::NoHealthyUpstream``: a service with no usable endpoint; ``target`` is the
+    address the client asked for (the VIP and port)."""
+
+    def __init__(self, target: object) -> None:
+        super().__init__(f"no healthy upstream: {target}")
+
+
+class UnknownLocalWorkload(ProxyError):
+    """Rust ``Error::UnknownSourceWorkload``: the workload this proxy serves is not in state
+    (after waiting for it), named as Rust's ``WorkloadInfo`` displays it."""
+
+    def __init__(self, namespace: str, name: str, service_account: str) -> None:
+        super().__init__(
+            "failed to fetch information about local workload: "
+            f"{service_account}.{namespace} ({name})"
+        )
+
+
+class PolicyLateRejection(ProxyError):
+    """Rust ``Error::AuthorizationPolicyLateRejection``: a live connection closed because the
+    policies changed and no longer allow it (response flag DENY)."""
+
+    flag = ResponseFlag.DENY
+    status = 401
+
+    def __init__(self) -> None:
+        super().__init__("connection closed due to policy change")
 
 
 class UnsupportedRoute(ProxyError):

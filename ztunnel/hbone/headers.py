@@ -21,30 +21,31 @@ _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 
 # baggage() per workload object (frozen; a state update brings a new one): id -> (the workload,
-# the cluster id, the value). Every HBONE request sends its source's baggage, and every response
-# the local workload's. Bounded: cleared when full.
-_BAGGAGE_MEMO: dict[int, tuple[Workload, str, str]] = {}
+# the value). Every HBONE request sends its source's baggage, and every response the local
+# workload's. Bounded: cleared when full.
+_BAGGAGE_MEMO: dict[int, tuple[Workload, str]] = {}
 _BAGGAGE_MEMO_MAX = 1024
 
 
-def baggage(wl: Workload | None, cluster_id: str = "") -> str:
-    """``k8s.cluster.name=..,k8s.namespace.name=..,k8s.<type>.name=..,service.name=..,..``;
-    only non-empty fields are sent."""
+def baggage(wl: Workload | None) -> str:
+    """``k8s.cluster.name=..,k8s.namespace.name=..,k8s.<type>.name=..,service.name=..,..``
+    from the workload alone (Rust ``Workload::baggage``, ``baggage_header_val``): only its
+    non-empty fields are sent, so a workload with no ``clusterId`` sends no cluster."""
     if wl is None:
         return ""
     hit = _BAGGAGE_MEMO.get(id(wl))
-    if hit is not None and hit[0] is wl and hit[1] == cluster_id:
-        return hit[2]
-    value = _baggage(wl, cluster_id)
+    if hit is not None and hit[0] is wl:
+        return hit[1]
+    value = _baggage(wl)
     if len(_BAGGAGE_MEMO) >= _BAGGAGE_MEMO_MAX:
         _BAGGAGE_MEMO.clear()
-    _BAGGAGE_MEMO[id(wl)] = (wl, cluster_id, value)
+    _BAGGAGE_MEMO[id(wl)] = (wl, value)
     return value
 
 
-def _baggage(wl: Workload, cluster_id: str) -> str:
+def _baggage(wl: Workload) -> str:
     pairs = [
-        ("k8s.cluster.name", wl.cluster_id or cluster_id),
+        ("k8s.cluster.name", wl.cluster_id),
         ("k8s.namespace.name", wl.namespace),
         # (Rust baggage_header_val: the type as it is, even empty: ``k8s..name=``)
         (f"k8s.{wl.workload_type}.name", wl.workload_name),
@@ -137,14 +138,10 @@ def valid_traceparent(value: str | None) -> bool:
 
 
 def request_headers(
-    source: Workload | None,
-    client: SocketAddr,
-    *,
-    cluster_id: str,
-    service_hostname: str | None,
+    source: Workload | None, client: SocketAddr, *, service_hostname: str | None
 ) -> list[tuple[str, str]]:
     headers = []
-    if bag := baggage(source, cluster_id):
+    if bag := baggage(source):
         headers.append((BAGGAGE, bag))
     headers.append((FORWARDED, forwarded(client, service_hostname)))
     headers.append((TRACEPARENT, new_traceparent()))

@@ -17,7 +17,10 @@ Follows istio/ztunnel ``src/tls/crl.rs`` and ``src/tls/revocation.rs``:
 Rejections are counted in ``istio_crl_policy_rejections_total{reporter}`` and logged (at most
 one line a second). After a reload, live connections are re-checked with
 :meth:`CrlManager.revoked_chain` on the chain their handshake verified, inbound and outbound,
-and the revoked ones closed (Rust ``RevocationIndex::navigate``).
+and the revoked ones closed (Rust ``RevocationIndex::navigate``). A connection whose verified
+chain was not recorded is re-checked against our own CA certificates only, and counted in
+``istio_crl_untracked_connections_total{reporter}`` (Rust's count of connections its index
+could not track).
 """
 
 from __future__ import annotations
@@ -106,10 +109,13 @@ class CrlManager:
         path: Path,
         *,
         on_reject: Callable[[str], None] | None = None,
+        on_untracked: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
         self._on_reject = on_reject
+        self._on_untracked = on_untracked
+        self._last_untracked_log = 0.0
         self._clock = clock
         self._lock = threading.Lock()
         self._crls: list[_Crl] = []
@@ -226,6 +232,21 @@ class CrlManager:
                 return False
             cert = issuer
         return False
+
+    def untracked(self, reporter: str, peer: str) -> None:
+        """Count and (rate-limited) log a connection whose verified chain was not recorded:
+        a reload re-checks it against our own CA certificates only, so a revoked certificate
+        of another chain would not close it (Rust ``record_crl_untracked_connection``)."""
+        if self._on_untracked is not None:
+            self._on_untracked(reporter)
+        now = self._clock()
+        if now - self._last_untracked_log >= _LOG_INTERVAL:
+            self._last_untracked_log = now
+            log.warning(
+                "CRL: no verified chain recorded for %s; connection not tracked (re-checked "
+                "against our own CA certificates only)",
+                peer,
+            )
 
     def rejected(self, reporter: str, peer: str) -> None:
         """Count and (rate-limited) log a connection refused for a revoked certificate."""

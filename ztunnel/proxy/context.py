@@ -16,15 +16,22 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
-from ztunnel.config import Config, WorkloadInfo
+from ztunnel.config import HBONE_PORT, Config, WorkloadInfo
 from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr
-from ztunnel.core.errors import AuthorizationDenied, ProxyError, reportable
+from ztunnel.core.errors import (
+    AuthorizationDenied,
+    PolicyLateRejection,
+    ProxyError,
+    ResponseFlag,
+    UnknownLocalWorkload,
+    reportable,
+)
 from ztunnel.core.identity import Identity
 from ztunnel.logs import log_fields
 from ztunnel.metrics import BaggageLike, ConnectionMetrics, Metrics, flag_for
 from ztunnel.net.copy import CopyCounters, PipePool, copy_bidirectional
 from ztunnel.proxy.sockets import SocketFactory
-from ztunnel.state.authz import Connection, PolicyIndex
+from ztunnel.state.authz import Connection, Decision, PolicyIndex, decision_log
 from ztunnel.state.model import Service, Workload
 from ztunnel.state.store import State
 
@@ -34,12 +41,13 @@ if TYPE_CHECKING:
 
 access_log = logging.getLogger("access")
 log = logging.getLogger("ztunnel.proxy")
+# Rust logs its authorization decisions from ``src/state.rs`` (target ``ztunnel::state``).
+authz_log = logging.getLogger("ztunnel.state")
 
 DRAIN_REASON = "connection closed due to connection drain"
 # How long an inbound connection waits for its pod's workload to appear in state
-# (istio/ztunnel LocalWorkloadInformation), and what it logs when it never does.
+# (istio/ztunnel LocalWorkloadInformation); then it fails with UnknownLocalWorkload.
 LOCAL_WORKLOAD_WAIT = 5.0
-UNKNOWN_LOCAL_WORKLOAD = "failed to fetch information about local workload"
 
 
 class HboneOutbound(Protocol):
@@ -81,11 +89,15 @@ class ConnectionRecord:
     counters: CopyCounters | None = None
     sent_is_down_to_up: bool = True
     authz: Connection | None = None  # inbound: what the policies were checked against
-    close_reason: str | None = None  # set by whoever cancels the connection, for the log
+    # Set by whoever cancels the connection, for the log: an error (a policy change) is the
+    # outcome, with its flag; a text (a deleted pod, the HBONE connection gone) is a connection
+    # dropped with no error of its own, flag "-" (Rust's drop of an unrecorded result).
+    close_reason: str | ProxyError | None = None
     task: asyncio.Task[None] | None = None
     mtls: bool = False  # set by ProxyContext.open_metrics
-    # Inbound, source workload unknown: (canonical service, namespace) from the peer's baggage.
-    src_derived: tuple[str, str] | None = None
+    # Inbound, source workload unknown: (canonical service, namespace, cluster) from the peer's
+    # baggage.
+    src_derived: tuple[str, str, str] | None = None
     # Double HBONE: the destination as the inner tunnel's response baggage names it (Rust
     # with_derived_destination); the metrics are opened only once it is known (open_deferred,
     # run at the latest by log_complete).
@@ -105,26 +117,37 @@ class ConnectionRecord:
         return c.up_to_down, c.down_to_up
 
     def fields(self) -> dict[str, object]:
-        """The access-log fields in Rust's order (reference 7). As in Rust, ``src.workload``
-        falls back to the canonical service and ``src.namespace`` to the namespace the peer's
-        baggage names, and ``dst.identity`` is the destination workload's identity until the
-        peer's certificate is known."""
+        """The access-log fields in Rust's order (``src/proxy/metrics.rs`` ``ConnectionResult``).
+        As in Rust, ``src.workload`` falls back to the canonical service and ``src.namespace``
+        and ``src.cluster`` to what the peer's baggage names; ``dst.identity`` is the
+        destination workload's identity until the peer's certificate is known; the clusters
+        are the workloads' ``clusterId`` (absent when empty). Inbound HBONE logs the
+        connection's own address as ``dst.addr`` (the pod's IP and 15008, Rust's
+        ``original_dst``), the app's address being ``dst.hbone_addr``'s."""
         # (Addresses are formatted for each line, not kept: three strings per connection would
         # cost more memory, ~190 bytes, than their formatting costs CPU.)
         out: dict[str, object] = {"src.addr": _addr_text(self.src)}
+        src_cluster = ""
         if self.src_workload is not None:
             out["src.workload"] = self.src_workload.name
             out["src.namespace"] = self.src_workload.namespace
+            src_cluster = self.src_workload.cluster_id
         elif self.src_derived is not None:
-            canonical, namespace = self.src_derived
+            canonical, namespace, src_cluster = self.src_derived
             if canonical:
                 out["src.workload"] = canonical
             if namespace:
                 out["src.namespace"] = namespace
         if self.src_identity is not None:
             out["src.identity"] = str(self.src_identity)
-        out["dst.addr"] = _addr_text(self.dst)
+        if src_cluster:
+            out["src.cluster"] = src_cluster
         hbone_addr = self.hbone_addr
+        if self.direction == "inbound" and hbone_addr is not None:
+            # (the upstream's IP is always the one the connection arrived on: inbound_route)
+            out["dst.addr"] = f"{_ip_text(self.dst.ip)}:{HBONE_PORT}"
+        else:
+            out["dst.addr"] = _addr_text(self.dst)
         if hbone_addr is not None:
             out["dst.hbone_addr"] = (
                 _addr_text(hbone_addr) if isinstance(hbone_addr, SocketAddr) else str(hbone_addr)
@@ -132,6 +155,9 @@ class ConnectionRecord:
         if self.dst_service is not None:
             out["dst.service"] = self.dst_service.hostname
         derived = self.dst_derived
+        dst_cluster = ""
+        if derived is not None:
+            dst_cluster = derived.cluster_id  # (Rust with_derived_destination: replaced whole)
         if derived is not None and (derived.workload_name or derived.namespace):
             if derived.workload_name:
                 out["dst.workload"] = derived.workload_name
@@ -140,11 +166,15 @@ class ConnectionRecord:
         elif self.dst_workload is not None:
             out["dst.workload"] = self.dst_workload.name
             out["dst.namespace"] = self.dst_workload.namespace
+        if derived is None and self.dst_workload is not None:
+            dst_cluster = self.dst_workload.cluster_id
         dst_identity = self.dst_identity
         if dst_identity is None and self.mtls and self.dst_workload is not None:
             dst_identity = self.dst_workload.identity
         if dst_identity is not None:
             out["dst.identity"] = str(dst_identity)
+        if dst_cluster:
+            out["dst.cluster"] = dst_cluster
         out["direction"] = self.direction
         return out
 
@@ -152,7 +182,11 @@ class ConnectionRecord:
         if access_log.isEnabledFor(logging.DEBUG):
             access_log.debug("connection opened", extra={"fields": self.fields()})
 
-    def log_complete(self, error: BaseException | str | None) -> None:
+    def log_complete(
+        self, error: BaseException | str | None, flag: ResponseFlag | None = None
+    ) -> None:
+        """The outcome: metrics closed with ``flag`` (by default the error's, see
+        :func:`~ztunnel.metrics.flag_for`) and one "connection complete" line."""
         if self._done:
             return
         self._done = True
@@ -162,7 +196,9 @@ class ConnectionRecord:
         if self.counters is not None:
             self.bytes_sent, self.bytes_recv = self.live_bytes()
         if self.metrics is not None:
-            self.metrics.close(self.bytes_sent, self.bytes_recv, flag=flag_for(error))
+            if flag is None:
+                flag = flag_for(error)
+            self.metrics.close(self.bytes_sent, self.bytes_recv, flag=flag)
         f = self.fields()
         f["bytes_sent"] = self.bytes_sent
         f["bytes_recv"] = self.bytes_recv
@@ -174,8 +210,10 @@ class ConnectionRecord:
             log_fields(access_log, logging.INFO, "connection complete", f)
 
     def log_cancelled(self) -> None:
-        """The connection task was cancelled: by a policy change, a deleted pod or the drain."""
-        self.log_complete(self.close_reason or DRAIN_REASON)
+        """The connection task was cancelled: by a policy change (its error and flag DENY), a
+        deleted pod or the drain (dropped: flag "-", as Rust records a result it drops)."""
+        reason = self.close_reason or DRAIN_REASON
+        self.log_complete(reason, None if isinstance(reason, ProxyError) else ResponseFlag.NONE)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -207,18 +245,30 @@ class ConnectionTracker:
             if rec.metrics is not None:
                 rec.metrics.flush(*rec.live_bytes())
 
-    def recheck(self, index: PolicyIndex, workload: Workload | None) -> int:
-        """Close every inbound connection the current policies no longer allow."""
+    def recheck(
+        self, index: PolicyIndex, workload: Workload | None, log_level: int = logging.DEBUG
+    ) -> int:
+        """Close every inbound connection the current policies no longer allow (Rust
+        ``PolicyWatcher``: the access log says "connection closed due to policy change", flag
+        DENY). Each re-check logs its decision at ``log_level``, as the first check did."""
         if workload is None:
             return 0
         closed = 0
+        logged = authz_log.isEnabledFor(log_level)
         for rec in list(self.live):
             if rec.authz is None or rec.task is None or rec.task.done():
                 continue
             decision = index.evaluate(workload, rec.authz)
+            if logged:
+                log_decision(decision, log_level)
             if not decision.allowed:
-                rec.close_reason = f"connection closed because it is no longer allowed by policy: {decision.reason}"
-                log.info("%s: %s", rec.authz, rec.close_reason)
+                rec.close_reason = PolicyLateRejection()
+                log.info(
+                    "connection %s (%s) closed because it's no longer allowed after a policy "
+                    "update",
+                    rec.authz,
+                    workload.uid,
+                )
                 rec.task.cancel()
                 closed += 1
         return closed
@@ -260,6 +310,7 @@ class ProxyContext:
     # Who the local workload is (the ZDS/PROXY_WORKLOAD_INFO name), to wait for it by.
     workload_info: WorkloadInfo | None = None
     local_identity: Callable[[], Identity | None] = lambda: None
+    local_info: WorkloadInfo | None = None  # who this proxy serves, for the errors that say it
     local_ips: Callable[[], frozenset[IPAddr]] = frozenset
     hbone: HboneOutbound | None = None
     metrics: Metrics | None = None
@@ -286,9 +337,9 @@ class ProxyContext:
         if (
             rec.src_workload is None
             and baggage is not None
-            and (baggage.service_name or baggage.namespace)
+            and (baggage.service_name or baggage.namespace or baggage.cluster_id)
         ):
-            rec.src_derived = (baggage.service_name, baggage.namespace)
+            rec.src_derived = (baggage.service_name, baggage.namespace, baggage.cluster_id)
         rec.log_opened()
         if self.metrics is not None:
             rec.metrics = self.metrics.open_for_record(rec, mtls=mtls, baggage=baggage)
@@ -304,6 +355,16 @@ class ProxyContext:
         return await self.state.wait_for_workload(
             i.name, i.namespace, i.service_account, self.config.node_name or None, timeout
         )
+
+    @property
+    def authz_log_level(self) -> int:
+        """Rust ``authpol_log!``: info with ``AUTHZ_POLICY_INFO_LOGGING=true``, else debug."""
+        return logging.INFO if self.config.authz_policy_info_logging else logging.DEBUG
+
+    def unknown_local_workload(self) -> UnknownLocalWorkload:
+        """The error for a connection whose local workload never appeared in state."""
+        i = self.local_info
+        return UnknownLocalWorkload(*((i.namespace, i.name, i.service_account) if i else ("",) * 3))
 
     def tracked(self, rec: ConnectionRecord) -> _Tracked:
         """Run a connection's copy phase as a live connection: tracked for metrics and policy
@@ -335,16 +396,19 @@ class ProxyContext:
             rec.src.ip, rec.src_identity, rec.dst.ip, rec.dst.port, self.config.network
         )
         decision = self.policies.evaluate(workload, conn)
-        if (summary := decision.dry_run_summary()) is not None:
-            log.log(
-                logging.INFO if decision.dry_run_differs else logging.DEBUG,
-                "dry-run authorization for %s: %s",
-                conn,
-                summary,
-            )
+        level = self.authz_log_level
+        if authz_log.isEnabledFor(level):  # (one check: nothing is built for a disabled level)
+            log_decision(decision, level)
         if not decision.allowed:
             raise AuthorizationDenied(decision.reason)
         rec.authz = conn
+
+
+def log_decision(decision: Decision, level: int) -> None:
+    """Rust ``assert_rbac``'s lines for ``decision`` (``state.authz.decision_log``), each with
+    the deciding policy as its ``policy`` field."""
+    for msg, policy in decision_log(decision):
+        log_fields(authz_log, level, msg, {} if policy is None else {"policy": policy})
 
 
 def guess_inbound_service(

@@ -124,7 +124,10 @@ def _recheck_new(
     recorded none, our own CA certificates, which a mesh peer's chain shares); refuses the
     connection when the CRLs changed during its handshake and now revoke it (Rust
     ``revoked_after_reload``: the reload's own re-check could not see it yet)."""
-    chain = chain or (*cert.intermediates, *cert.roots)
+    if not chain:
+        if crl is not None:  # (not tracked by its own chain: counted, as Rust's untracked)
+            crl.untracked("source", f"{peer_identity(peer_der)}")
+        chain = (*cert.intermediates, *cert.roots)
     if crl is not None and crl.generation != generation and crl.revoked_chain(peer_der, chain):
         crl.rejected("source", f"{peer_identity(peer_der)} (reload during the handshake)")
         raise CertificateRevoked()
@@ -199,7 +202,6 @@ class HboneConnector:
         return request_headers(
             rec.src_workload,
             rec.src,
-            cluster_id=self.config.cluster_id,
             service_hostname=route.destination_service.hostname
             if route.destination_service
             else None,

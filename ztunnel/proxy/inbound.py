@@ -50,12 +50,7 @@ from ztunnel.identity.tls import (
 )
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import local_addr, peer_addr
-from ztunnel.proxy.context import (
-    UNKNOWN_LOCAL_WORKLOAD,
-    ConnectionRecord,
-    ProxyContext,
-    log_failed,
-)
+from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
 from ztunnel.proxy.hbone_outbound import HboneSettings
 from ztunnel.proxy.inbound_route import (
     InboundTarget,
@@ -263,8 +258,11 @@ class InboundHbone:
             hold_streams=True,
         )
         # Had the callback recorded no chain, our own CA certificates (which a mesh peer's
-        # chain shares) stand in for it in re-checks.
-        chain = chain or (*cert.intermediates, *cert.roots)
+        # chain shares) stand in for it in re-checks: not tracked, for the CRL metrics.
+        if not chain:
+            if crl is not None:
+                crl.untracked("destination", str(peer_id))
+            chain = (*cert.intermediates, *cert.roots)
         conn = HboneConnection(
             sock, sslobj, inbio, outbio, h2c, on_request=on_request, peer_chain=chain
         )
@@ -388,7 +386,7 @@ class InboundHbone:
             return None
         local = await ctx.wait_local_workload()
         if local is None:
-            _reject(conn, sid, src, 503, UNKNOWN_LOCAL_WORKLOAD, arrival=arrival)
+            _reject(conn, sid, src, 503, ctx.unknown_local_workload(), arrival=arrival)
             return None
         network = ctx.config.network
         try:
@@ -439,11 +437,7 @@ class InboundHbone:
 
     def _response_headers(self, local: Workload | None) -> list[tuple[str, str]]:
         cfg = self.ctx.config
-        if (
-            local is not None
-            and cfg.enable_response_baggage
-            and (value := baggage(local, cfg.cluster_id))
-        ):
+        if local is not None and cfg.enable_response_baggage and (value := baggage(local)):
             return [(BAGGAGE, value)]
         return []
 

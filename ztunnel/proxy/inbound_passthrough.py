@@ -14,7 +14,7 @@ from ztunnel.config import ILLEGAL_PORTS
 from ztunnel.core.errors import AuthorizationDenied, SelfCallError
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import original_dst, peer_addr
-from ztunnel.proxy.context import UNKNOWN_LOCAL_WORKLOAD, ConnectionRecord, ProxyContext, log_failed
+from ztunnel.proxy.context import ConnectionRecord, ProxyContext, log_failed
 from ztunnel.state.model import NetworkAddress
 
 
@@ -47,7 +47,7 @@ class InboundPassthrough:
         ctx.open_metrics(rec, mtls=False)
         if local is None:
             # Fail closed: without the workload its policies (e.g. STRICT) cannot be applied.
-            rec.log_complete(UNKNOWN_LOCAL_WORKLOAD)
+            rec.log_complete(ctx.unknown_local_workload())
             return
         try:
             ctx.authorize(rec, local)  # plaintext: no identity, so STRICT-style DENYs apply

@@ -100,6 +100,7 @@ class ProxyInstance:
             local_workload=self.workload,
             workload_info=info,
             local_identity=self.identity,
+            local_info=info,
             local_ips=self.local_ips,
             metrics=metrics,
             policies=policies,
@@ -232,9 +233,10 @@ class ProxyInstance:
 
     def recheck_policies(self) -> int:
         """Close inbound connections the current policies no longer allow."""
-        if self.ctx.policies is None:
+        ctx = self.ctx
+        if ctx.policies is None:
             return 0
-        return self.ctx.tracker.recheck(self.ctx.policies, self.workload())
+        return ctx.tracker.recheck(ctx.policies, self.workload(), ctx.authz_log_level)
 
     def close_revoked(self, crl: CrlManager) -> int:
         """After a CRL reload: close this instance's connections, inbound and outbound (pooled

@@ -13,7 +13,6 @@ from ztunnel.core.errors import ProxyError, reportable
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import original_dst, peer_addr
 from ztunnel.proxy.context import (
-    UNKNOWN_LOCAL_WORKLOAD,
     ConnectionRecord,
     ProxyContext,
     log_failed,
@@ -72,7 +71,7 @@ class Outbound:
             # without it: a mesh destination would lose its mTLS, or be passed through.
             source = await ctx.wait_local_workload()
             if source is None:
-                log_failed("outbound", src, dst, UNKNOWN_LOCAL_WORKLOAD)
+                log_failed("outbound", src, dst, ctx.unknown_local_workload())
                 return
         try:
             if ctx.state.demander is None:

@@ -104,7 +104,7 @@ def decide_outbound(
             return Route(RouteKind.PASSTHROUGH, dst, destination_service=svc)
         picked = state.load_balance(svc, dst.port, source, rng)
         if picked is None:
-            raise NoHealthyUpstream(svc.hostname)
+            raise NoHealthyUpstream(dst)
         endpoint, target_port = picked
         if endpoint.network != network:
             return _through_gateway(state, endpoint, svc, dst, source, rng, sans_of=svc)

@@ -65,6 +65,7 @@ __all__ = [
     "PolicyTrace",
     "RuleTrace",
     "compile_policy",
+    "decision_log",
     "evaluate",
     "explain",
 ]
@@ -446,6 +447,48 @@ class Decision:
                 "wouldReason": self.would_reason,
             }
         return out
+
+
+# --- decision logs ------------------------------------------------------------------------------
+
+# The messages of Rust's ``assert_rbac`` (``src/state.rs``, ``authpol_log!``), logged with the
+# deciding policy's key as ``policy`` where there is one.
+DRY_RUN_DENY_MATCH: Final = "dry-run: deny policy match"
+DENY_MATCH: Final = "deny policy match"
+DRY_RUN_ALLOW_MATCH: Final = "dry-run: allow policy match"
+DRY_RUN_NO_ALLOW_MATCH: Final = "dry-run: no allow policies match"
+NO_ALLOW_POLICIES_ALLOW: Final = "no allow policies, allow"
+ALLOW_MATCH: Final = "allow policy match"
+NO_ALLOW_MATCHED: Final = "no allow policies matched"
+
+
+def decision_log(d: Decision) -> list[tuple[str, str | None]]:
+    """The lines Rust's ``assert_rbac`` logs for decision ``d``, in its order: (message,
+    policy key or None). Pure: the caller checks its logger's level once, then logs these.
+
+    Dry-run DENYs that match come first; an enforced DENY that matches ends it; then the
+    dry-run ALLOWs that match; with no enforced ALLOW, "dry-run: no allow policies match"
+    when dry-run ALLOWs exist and none matched, and "no allow policies, allow"; else the
+    enforced ALLOW that matched, or "no allow policies matched"."""
+    out: list[tuple[str, str | None]] = [
+        (DRY_RUN_DENY_MATCH, o.policy)
+        for o in d.dry_run
+        if o.matched and o.action is PolicyAction.DENY
+    ]
+    if not d.allowed and d.policy is not None:
+        out.append((DENY_MATCH, d.policy))
+        return out
+    dry_allows = [o for o in d.dry_run if o.action is PolicyAction.ALLOW]
+    out += [(DRY_RUN_ALLOW_MATCH, o.policy) for o in dry_allows if o.matched]
+    if d.allowed and d.policy is None:  # no enforced ALLOW applies
+        if dry_allows and not any(o.matched for o in dry_allows):
+            out.append((DRY_RUN_NO_ALLOW_MATCH, None))
+        out.append((NO_ALLOW_POLICIES_ALLOW, None))
+    elif d.allowed:
+        out.append((ALLOW_MATCH, d.policy))
+    else:
+        out.append((NO_ALLOW_MATCHED, None))
+    return out
 
 
 _ALLOW_NO_POLICIES: Final = Decision(True, None, NO_ALLOW_POLICIES)

@@ -23,8 +23,10 @@ Record = dict[str, Any]
 class ZtunnelProcess:
     """``python -m ztunnel proxy ztunnel`` in ``host``'s netns with ``LOG_FORMAT=json``.
 
-    Every stdout/stderr line is kept; JSON lines are parsed into ``records``. ``prefix`` runs
-    the process under a wrapper (e.g. ``setpriv`` with capabilities dropped).
+    Every output line is kept; JSON lines are parsed into ``records``. ztunnel logs to stdout
+    (as Rust does); what it writes to stderr (an interpreter's last words, a stray warning) is
+    kept too, each record marked ``"stream": "stderr"``. ``prefix`` runs the process under a
+    wrapper (e.g. ``setpriv`` with capabilities dropped).
 
     istio-cni's in-pod rules let only packets marked 1337 through uncaptured. Rust marks nothing
     in dedicated mode unless ``PACKET_MARK`` is set (``src/config.rs``), so a dedicated ztunnel
@@ -49,6 +51,7 @@ class ZtunnelProcess:
         self._cond = threading.Condition()
         self._eof = False
         self._reader: threading.Thread | None = None
+        self._err_reader: threading.Thread | None = None
 
     #: Logging settings the harness passes unless the test's own env overrides them; subclasses
     #: that read another log format change this and :meth:`parse`.
@@ -80,10 +83,14 @@ class ZtunnelProcess:
             "--loop",
             self.loop,
             env=env,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
         )
         self._reader = threading.Thread(target=self._pump, name="ztunnel-log", daemon=True)
         self._reader.start()
+        self._err_reader = threading.Thread(
+            target=self._pump_stderr, name="ztunnel-stderr", daemon=True
+        )
+        self._err_reader.start()
         self.wait_for(lambda r: r.get("message") == "ztunnel ready", timeout)
         return self
 
@@ -107,6 +114,19 @@ class ZtunnelProcess:
         with self._cond:
             self._eof = True
             self._cond.notify_all()
+
+    def _pump_stderr(self) -> None:
+        assert self.proc is not None and self.proc.popen.stderr is not None
+        for raw in self.proc.popen.stderr:
+            rec = {**self.parse(raw.decode(errors="replace").rstrip("\r\n")), "stream": "stderr"}
+            with self._cond:
+                self.records.append(rec)
+                self._cond.notify_all()
+
+    def stderr_records(self) -> list[Record]:
+        """What ztunnel wrote to stderr (its logs go to stdout)."""
+        with self._cond:
+            return [r for r in self.records if r.get("stream") == "stderr"]
 
     def wait_for(
         self, pred: Callable[[Record], bool], timeout: float = 10.0, start: int = 0
@@ -197,8 +217,9 @@ class ZtunnelProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.popen.wait(timeout)
         rc = self.proc.stop()
-        if self._reader is not None:
-            self._reader.join(5)
+        for reader in (self._reader, self._err_reader):
+            if reader is not None:
+                reader.join(5)
         if rc == 0 and self.internal_errors():
             return -1
         return rc

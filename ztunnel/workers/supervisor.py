@@ -173,8 +173,15 @@ class WorkerPool:
         secrets.on_forget = self._on_forget
 
     def attach(self, dataplane: DataPlane) -> None:
-        """Make ``dataplane.build`` construct RemoteInstances."""
+        """Make ``dataplane.build`` construct RemoteInstances; its ``process_*`` metrics count
+        the zygote and the workers too."""
         dataplane.instance_class = functools.partial(RemoteInstance, self)
+        if dataplane.metrics.process is not None:
+            dataplane.metrics.process.pids = self.pids
+
+    def pids(self) -> list[int]:
+        """The other processes of this ztunnel: the zygote and the running workers."""
+        return [self.zygote.pid, *(w.pid for w in self.workers.values() if w.pid)]
 
     def new_key(self) -> int:
         self._keys += 1

@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -25,7 +26,7 @@ from ztunnel.admin import (
 )
 from ztunnel.admin.http import Handler
 from ztunnel.admin.logctl import validate_spec
-from ztunnel.admin.stats import RenderMode
+from ztunnel.admin.stats import RenderMode, choose_encoding, parse_qvalue
 from ztunnel.config import Config
 from ztunnel.metrics import Metrics, Reporter, encode, traffic_labels
 from ztunnel.state.model import Workload
@@ -55,53 +56,173 @@ def registry() -> CollectorRegistry:
 @pytest.mark.both_loops
 @pytest.mark.parametrize("mode", ["cooperative", "thread", "inline"])
 async def test_metrics_text_and_both_paths(registry: CollectorRegistry, mode: RenderMode) -> None:
+    """Rust metrics/server.rs handle_metrics: prometheus-client's OpenMetrics text whatever the
+    client accepts, labelled text/plain; charset=utf-8."""
     srv = await serve(StatsHandler(registry, mode=mode))
     try:
         for path in ("/metrics", "/stats/prometheus"):
             r = await request(srv.port, "GET", path)
             assert r.status == 200
-            assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+            assert r.headers["content-type"] == "text/plain; charset=utf-8"
             assert 'istio_build{component="ztunnel",tag="9.9.9"} 1\n' in r.text
+            assert "# TYPE istio_tcp_connections_opened counter\n" in r.text
             assert 'istio_tcp_received_bytes_total{reporter="source",' in r.text
-            assert "# EOF" not in r.text
+            assert r.text.endswith("# EOF\n")
+            assert "content-encoding" not in r.headers
         assert (await request(srv.port, "GET", "/nope")).status == 404
         assert (await request(srv.port, "POST", "/metrics")).status == 405
     finally:
         await srv.close()
 
 
-async def test_metrics_openmetrics_negotiation(registry: CollectorRegistry) -> None:
+@pytest.mark.parametrize(
+    ("accept", "openmetrics"),
+    [
+        (None, False),
+        ("application/openmetrics-text;version=1.0.0;q=0.5,*/*;q=0.1", True),
+        ("application/json", False),
+        ("text/plain,Application/OpenMetrics-Text", True),
+        # Rust content_type: members are not trimmed, so one after ", " does not count
+        ("text/plain, application/openmetrics-text", False),
+        # Prometheus 3's Accept
+        (
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+            "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.2,"
+            "*/*;q=0.1",
+            True,
+        ),
+    ],
+)
+async def test_metrics_content_type_as_rust(
+    registry: CollectorRegistry, accept: str | None, openmetrics: bool
+) -> None:
     srv = await serve(StatsHandler(registry))
     try:
-        r = await request(
-            srv.port,
-            "GET",
-            "/metrics",
-            headers={"Accept": "application/openmetrics-text;version=1.0.0;q=0.5,*/*;q=0.1"},
-        )
+        r = await request(srv.port, "GET", "/metrics", headers={"Accept": accept} if accept else {})
         assert r.headers["content-type"] == (
-            "application/openmetrics-text; version=1.0.0; charset=utf-8"
+            "application/openmetrics-text;charset=utf-8;version=1.0.0"
+            if openmetrics
+            else "text/plain; charset=utf-8"
         )
-        assert r.text.endswith("# EOF\n")
-        assert "# TYPE istio_tcp_connections_opened counter\n" in r.text
-        plain = await request(srv.port, "GET", "/metrics", headers={"Accept": "application/json"})
-        assert plain.headers["content-type"].startswith("text/plain")
+        assert steady(r.body) == steady(encode(registry))  # the same body either way
     finally:
         await srv.close()
 
 
 @pytest.mark.parametrize("mode", ["cooperative", "thread", "inline"])
-async def test_metrics_gzip(registry: CollectorRegistry, mode: RenderMode) -> None:
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "zstd"])
+async def test_metrics_compressed(
+    registry: CollectorRegistry, mode: RenderMode, coding: str
+) -> None:
     srv = await serve(StatsHandler(registry, mode=mode))
     try:
-        r = await request(srv.port, "GET", "/metrics", headers={"Accept-Encoding": "gzip"})
-        assert r.headers["content-encoding"] == "gzip"
         plain = await request(srv.port, "GET", "/metrics")
-        assert gzip.decompress(r.body).split(b"\n")[:20] == plain.body.split(b"\n")[:20]
-        r = await request(srv.port, "GET", "/metrics", headers={"Accept-Encoding": "gzip;q=0"})
-        assert "content-encoding" not in r.headers
+        r = await request(srv.port, "GET", "/metrics", headers={"Accept-Encoding": coding})
+        assert (r.status, r.headers["content-encoding"]) == (200, coding)
+        assert r.headers["vary"] == "accept-encoding"
+        assert steady(decompress(coding, r.body)) == steady(plain.body)
+        r = await request(srv.port, "GET", "/metrics", headers={"Accept-Encoding": f"{coding};q=0"})
+        assert "content-encoding" not in r.headers and steady(r.body) == steady(plain.body)
     finally:
         await srv.close()
+
+
+def steady(body: bytes) -> list[bytes]:
+    """The exposition but the process figures (fds, CPU and memory move between scrapes)."""
+    return [line for line in body.split(b"\n") if not line.startswith(b"process_")]
+
+
+def decompress(coding: str, body: bytes) -> bytes:
+    if coding == "gzip":
+        return gzip.decompress(body)
+    if coding == "deflate":
+        return zlib.decompress(body)  # (the zlib format, as HTTP's deflate)
+    from backports import zstd
+
+    return zstd.decompress(body)
+
+
+async def test_metrics_not_acceptable_and_small_bodies() -> None:
+    """tower-http: nothing acceptable left is 406 (the response otherwise as it was); a body
+    under 32 bytes is not compressed."""
+    empty = CollectorRegistry()  # its exposition is "# EOF\n" alone
+    srv = await serve(StatsHandler(empty))
+    try:
+        r = await request(srv.port, "GET", "/metrics", headers={"Accept-Encoding": "gzip"})
+        assert (r.status, r.body) == (200, b"# EOF\n") and "content-encoding" not in r.headers
+        for refused in ("identity;q=0", "*;q=0", "br"):  # (br alone: identity is still fine)
+            r = await request(srv.port, "GET", "/metrics", headers={"Accept-Encoding": refused})
+            assert r.status == (200 if refused == "br" else 406), refused
+            assert r.body == b"# EOF\n"
+        r = await request(srv.port, "GET", "/nope", headers={"Accept-Encoding": "identity;q=0"})
+        assert (r.status, r.headers["vary"]) == (406, "accept-encoding")
+    finally:
+        await srv.close()
+
+
+ALL = ("gzip", "deflate", "br", "zstd")
+
+
+@pytest.mark.parametrize(
+    ("headers", "supported", "chosen"),
+    [
+        # tower-http content_encoding.rs tests
+        ([], ALL, "identity"),
+        (["gzip"], ALL, "gzip"),
+        (["gzip,br"], ALL, "br"),
+        (["gzip,deflate,br,zstd"], ALL, "zstd"),
+        (["gzip;q=0.5,br"], ALL, "br"),
+        (["gzip;q=0.5,br;q=0.2"], ALL, "gzip"),
+        (["gzip;q=0.5", "br;q=0.6"], ALL, "br"),  # every Accept-Encoding header counts
+        (["gzip;q=1.0,br;q=1"], ALL, "br"),
+        (["gzip;q=0.995,br;q=0.999"], ALL, "br"),
+        (["gzip;q=0.9999,br"], ALL, "br"),  # a malformed q-value drops its member
+        (["gzip;q=1.1,br;q=0.5"], ALL, "br"),
+        (["gzip;q=0,br;q=0"], ALL, "identity"),
+        (["x-gzip"], ALL, "gzip"),
+        (["GZIP;Q=0.5"], ALL, "gzip"),
+        (["compress,gzip;q=0.1"], ALL, "gzip"),  # unknown codings are ignored
+        # identity and the wildcard (RFC 9110 12.5.3)
+        (["identity;q=0"], ALL, None),
+        (["identity;q=0,gzip"], ALL, "gzip"),
+        (["*"], ALL, "zstd"),
+        (["*;q=0"], ALL, None),
+        (["gzip;q=0.5,*;q=0.1"], ALL, "gzip"),
+        (["*;q=0.5,zstd;q=0"], ALL, "br"),
+        (["*;q=0.5,identity;q=1"], ALL, "identity"),
+        # what ours supports: no br, so a client asking for br and gzip gets gzip
+        (["br,gzip"], ("gzip", "deflate", "zstd"), "gzip"),
+        (["br"], ("gzip", "deflate", "zstd"), "identity"),
+        (["deflate, gzip, br, zstd"], ("gzip", "deflate", "zstd"), "zstd"),  # curl --compressed
+        (["gzip"], (), "identity"),
+    ],
+)
+def test_choose_encoding_as_tower_http(
+    headers: list[str], supported: tuple[str, ...], chosen: str | None
+) -> None:
+    assert choose_encoding(headers, supported) == chosen
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("q=1", 1000),
+        ("q=1.", 1000),
+        ("q=1.000", 1000),
+        ("Q=0.5", 500),
+        ("q=0.001", 1),
+        ("q=0", 0),
+        ("q=1.001", None),
+        ("q=0.0001", None),
+        ("q=.5", None),
+        ("q = 0.5", None),
+        ("q=0.5;x=1", None),
+        ("r=0.5", None),
+        ("q=", None),
+    ],
+)
+def test_qvalue_as_tower_http(text: str, value: int | None) -> None:
+    assert parse_qvalue(text) == value
 
 
 async def test_large_scrape_is_chunked_and_complete() -> None:

@@ -39,11 +39,10 @@ def test_baggage_only_non_empty_fields_in_order() -> None:
 
 
 def test_baggage_is_computed_once_per_workload_object() -> None:
-    # Memoised per workload object and cluster id: an updated workload (a new frozen object,
-    # as a state update brings) gets its own value, and so does another cluster id.
+    # Memoised per workload object: an updated workload (a new frozen object, as a state
+    # update brings) gets its own value.
     w = wl(workload_name="a", workload_type="pod", cluster_id="")
     assert baggage(w) == baggage(w) == "k8s.namespace.name=ns,k8s.pod.name=a"
-    assert baggage(w, "c1") == "k8s.cluster.name=c1,k8s.namespace.name=ns,k8s.pod.name=a"
     updated = dataclasses.replace(w, namespace="other")
     assert baggage(updated) == "k8s.namespace.name=other,k8s.pod.name=a"
     assert baggage(w) == "k8s.namespace.name=ns,k8s.pod.name=a"
@@ -85,9 +84,7 @@ def test_traceparent() -> None:
 
 
 def test_request_headers() -> None:
-    h = dict(
-        request_headers(wl(), SocketAddr.parse("1.2.3.4:5"), cluster_id="c", service_hostname=None)
-    )
+    h = dict(request_headers(wl(), SocketAddr.parse("1.2.3.4:5"), service_hostname=None))
     assert h["forwarded"] == 'for="1.2.3.4:5"'
     assert h["baggage"] == "k8s.cluster.name=Kubernetes,k8s.namespace.name=ns"
     assert valid_traceparent(h["traceparent"])

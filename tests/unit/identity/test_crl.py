@@ -3,6 +3,7 @@ src/tls/revocation.rs verify_cert_chain), the file is reloaded when it changes."
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
 from pathlib import Path
@@ -210,3 +211,30 @@ def test_a_changed_file_is_seen_at_the_very_next_check(ca: LocalCA, tmp_path: Pa
     assert handshake(server_context(server), client_context(client)).ok
     write(path, revocation_list(ca, [client.serial], number=2))
     assert not handshake(server_context(server), client_context(client)).ok
+
+
+def test_a_connection_without_a_recorded_chain_counts_as_untracked(
+    ca: LocalCA, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rust record_crl_untracked_connection: a connection the CRL index cannot follow. Ours
+    are re-checked by the chain their handshake verified; one with no chain recorded (the
+    verify callback found no _ssl object) falls back to our own CA certificates and counts."""
+    from ztunnel.proxy.hbone_outbound import _recheck_new
+
+    path = tmp_path / "crl.pem"
+    path.write_bytes(revocation_list(ca, []))
+    untracked: list[str] = []
+    crl = CrlManager(path, on_untracked=untracked.append)
+    ours, peer = ca.issue(CLIENT), ca.issue(SERVER)
+    der = peer.leaf.public_bytes(Encoding.DER)
+    recorded = (*peer.intermediates, *peer.roots)
+    assert _recheck_new(crl, crl.generation, der, recorded, ours) == recorded
+    assert untracked == []
+    with caplog.at_level(logging.WARNING, logger="ztunnel.identity.crl"):
+        chain = _recheck_new(crl, crl.generation, der, (), ours)
+        _recheck_new(crl, crl.generation, der, (), ours)
+    assert chain == (*ours.intermediates, *ours.roots)
+    assert untracked == ["source", "source"]
+    assert len([r for r in caplog.records if "not tracked" in r.getMessage()]) == 1  # (a second)
+    # Without CRL_PATH nothing is tracked nor counted.
+    assert _recheck_new(None, 0, der, (), ours) == chain and len(untracked) == 2

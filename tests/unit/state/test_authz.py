@@ -24,6 +24,7 @@ from ztunnel.state.authz import (
     Decision,
     PolicyIndex,
     PolicySet,
+    decision_log,
     evaluate,
     explain,
 )
@@ -1113,3 +1114,91 @@ def test_connections_from_one_peer_share_derived_values() -> None:
     v6 = conn("::ffff:10.1.2.3", ident, "10.9.9.9")  # canonicalised before the key is taken
     assert v6.src_key == a.src_key
     assert conn("::1").src_key != conn("0.0.0.1").src_key  # families stay apart
+
+
+# --- decision logs (Rust src/state.rs assert_rbac, authpol_log!) -----------------------------
+
+
+def ref_rbac_log(policies: Sequence[Authorization], c: Connection) -> list[tuple[str, str | None]]:
+    """Rust ``assert_rbac``'s loop, line for line: partition into deny/allow then dry-run,
+    log each match in that order, return at the first decision."""
+    deny = [p for p in policies if p.action is DENY and not p.dry_run]
+    deny_dry = [p for p in policies if p.action is DENY and p.dry_run]
+    allow = [p for p in policies if p.action is ALLOW and not p.dry_run]
+    allow_dry = [p for p in policies if p.action is ALLOW and p.dry_run]
+    out: list[tuple[str, str | None]] = []
+    for p in deny_dry:
+        if ref_policy_matches(p, c):
+            out.append(("dry-run: deny policy match", p.key))
+    for p in deny:
+        if ref_policy_matches(p, c):
+            out.append(("deny policy match", p.key))
+            return out
+    dry_allow_matched = False
+    for p in allow_dry:
+        if ref_policy_matches(p, c):
+            dry_allow_matched = True
+            out.append(("dry-run: allow policy match", p.key))
+    if not allow and allow_dry and not dry_allow_matched:
+        out.append(("dry-run: no allow policies match", None))
+    if not allow:
+        out.append(("no allow policies, allow", None))
+        return out
+    for p in allow:
+        if ref_policy_matches(p, c):
+            out.append(("allow policy match", p.key))
+            return out
+    out.append(("no allow policies matched", None))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("pols", "identity", "lines"),
+    [
+        ([], "a", [("no allow policies, allow", None)]),
+        ([policy("allow-a", [[NS_A]])], "a", [("allow policy match", "namespace/allow-a")]),
+        ([policy("allow-a", [[NS_A]])], "b", [("no allow policies matched", None)]),
+        (
+            [policy("deny-a", [[NS_A]], action=DENY), policy("allow-a", [[NS_A]])],
+            "a",
+            [("deny policy match", "namespace/deny-a")],
+        ),
+        (
+            [
+                policy("dry-deny", [[NS_A]], action=DENY, dry_run=True),
+                policy("deny-a", [[NS_A]], action=DENY),
+                policy("dry-allow", [[NS_A]], dry_run=True),
+            ],
+            "a",
+            # dry-run DENYs are logged before the enforced DENY; dry-run ALLOWs only after it
+            [
+                ("dry-run: deny policy match", "namespace/dry-deny"),
+                ("deny policy match", "namespace/deny-a"),
+            ],
+        ),
+        (
+            [policy("dry-allow", [[NS_A]], dry_run=True)],
+            "b",
+            [("dry-run: no allow policies match", None), ("no allow policies, allow", None)],
+        ),
+        (
+            [policy("dry-allow", [[NS_A]], dry_run=True), policy("allow-b", [[NS_B]])],
+            "a",
+            [
+                ("dry-run: allow policy match", "namespace/dry-allow"),
+                ("no allow policies matched", None),
+            ],
+        ),
+    ],
+)
+def test_decision_log_is_rusts(
+    pols: list[Authorization], identity: str, lines: list[tuple[str, str | None]]
+) -> None:
+    c = conn(identity=ident(identity))
+    assert decision_log(evaluate(pols, c)) == lines == ref_rbac_log(pols, c)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pols=policies(), c=CONNECTIONS)
+def test_decision_log_agrees_with_rusts_loop(pols: list[Authorization], c: Connection) -> None:
+    assert decision_log(evaluate(pols, c)) == ref_rbac_log(pols, c)

@@ -119,7 +119,7 @@ def test_metrics_of_every_process_are_summed_by_series() -> None:
     assert 't_conns_total{reporter="destination"} 7' in text
     assert 't_dur_count{k="x"} 3' in text
     assert 't_dur_bucket{k="x",le="0.1"} 2' in text  # 0.05 and 0.1; 0.15 is above
-    assert text.count("# TYPE t_conns_total counter") == 1
+    assert text.count("# TYPE t_conns counter") == 1
     # The supervisor's own cells are not changed by a scrape.
     assert sup_fam.labels("source").get() == 1
 
