@@ -135,4 +135,6 @@ def test_inbound_to_a_pod_whose_workload_never_comes_is_refused(
             and "error" in r
         )
     )
+    # Rust inbound_passthrough: an early deny ("connection failed"), no connection counted.
+    assert rec["message"] == "connection failed", rec
     assert str(rec["error"]).startswith(UNKNOWN), rec

@@ -33,6 +33,11 @@ class InboundPassthrough:
             log_failed("inbound", src, dst, SelfCallError(dst))
             return
         local = await ctx.wait_local_workload()
+        if local is None:
+            # Fail closed: without the workload its policies (e.g. STRICT) cannot be applied.
+            # Rust inbound_passthrough: log_early_deny, nothing counted.
+            log_failed("inbound", src, dst, ctx.unknown_local_workload())
+            return
         rec = ConnectionRecord(
             "inbound",
             src,
@@ -45,10 +50,6 @@ class InboundPassthrough:
             sent_is_down_to_up=False,  # inbound "sent" is the app's reply: upstream -> downstream
         )
         ctx.open_metrics(rec, mtls=False)
-        if local is None:
-            # Fail closed: without the workload its policies (e.g. STRICT) cannot be applied.
-            rec.log_complete(ctx.unknown_local_workload())
-            return
         try:
             ctx.authorize(rec, local)  # plaintext: no identity, so STRICT-style DENYs apply
         except AuthorizationDenied as e:
