@@ -335,6 +335,7 @@ class State:
         "_counters",
         "_cur",
         "_depth",
+        "_ep_dirty",
         "_failed",
         "_generation",
         "_ids",
@@ -378,6 +379,7 @@ class State:
         # String id -> references added / dropped by the open batch (Counter.update counts in C).
         self._str_delta: Counter[int] = Counter()
         self._str_drop: Counter[int] = Counter()
+        self._ep_dirty: set[int] = set()  # services whose endpoints the open batch changed
         self._counters = {"wid": 0, "seq": 0, "str": 1}
         # String id -> string (ids are never reused), and string -> id (the writer's): lookups
         # that hit are plain dict reads, a miss goes to the store (``__missing__``).
@@ -501,6 +503,7 @@ class State:
         self._changes = []
         self._str_delta = Counter()
         self._str_drop = Counter()
+        self._ep_dirty = set()
         self._reset_caches()  # (they may hold what the aborted transaction wrote)
         # (The counters stay where the aborted batch left them: ids are never reused.)
         self._renew()
@@ -508,6 +511,12 @@ class State:
     def _commit(self) -> None:
         txn = self._wtxn
         try:
+            # The endpoint sets that changed: their version once per batch (what readers
+            # check their pick tables against).
+            epver = self._cur["epver"]
+            for kid in self._ep_dirty:
+                self._bump(epver, pack_i(kid))
+            self._ep_dirty = set()
             self._apply_string_refs()
             txn.commit()
         except lmdb.Error as e:
@@ -706,17 +715,20 @@ class State:
         for key in w.services:
             _check_name("service key", key)
         with self._batch:
-            wid = self._wid(w.uid)
             c = self._cur["wl"]
-            if wid is not None:
+            # A new uid (the common case: a snapshot) is one write; a known one, one failed
+            # write that leaves the cursor on its id.
+            by_uid = self._cur["wluid"]
+            wid = self._counters["wid"] + 1
+            if by_uid.put(_skey(w.uid), pack_q(wid), overwrite=False):
+                self._counters["wid"] = wid
+            else:
+                wid = unpack_q(by_uid.value())[0]
                 raw = c.get(pack_q(wid))
                 assert raw is not None
                 old = marshal.loads(raw[8:])
                 self._unindex_workload(old, wid, unpack_q(raw)[0])
                 self._release(workload_ids(old))
-            else:
-                wid = self._next("wid")
-                self._cur["wluid"].put(_skey(w.uid), pack_q(wid))
             seq = self._next("seq")
             t = workload_tuple(w, self._intern)
             self._hold(workload_ids(t))
@@ -771,10 +783,10 @@ class State:
         self._cur["ident"].put(pack_i(t[W_NS]) + pack_i(t[W_SA]) + pack_i(t[W_NODE]) + s, value)
         services = t[W_SERVICES]
         if services:
-            ep, epver = self._cur["ep"], self._cur["epver"]
+            ep, dirty = self._cur["ep"], self._ep_dirty
             for kid, ports in services:
                 ep.put(pack_i(kid) + s, value + _summary(t, ports))
-                self._bump(epver, pack_i(kid))
+                dirty.add(kid)
 
     def _unindex_workload(self, t: tuple[Any, ...], wid: int, seq: int) -> None:
         value = pack_q(wid)
@@ -786,11 +798,11 @@ class State:
             c.delete()
         services = t[W_SERVICES]
         if services:
-            ep, epver = self._cur["ep"], self._cur["epver"]
+            ep, dirty = self._cur["ep"], self._ep_dirty
             for kid, _ in services:
                 if ep.set_key(pack_i(kid) + s):
                     ep.delete()
-                self._bump(epver, pack_i(kid))
+                dirty.add(kid)
 
     @staticmethod
     def _bump(cursor: Any, key: bytes) -> None:
@@ -1595,9 +1607,9 @@ class State:
 
 
 def _list_add(cursor: Any, key: bytes, item: bytes) -> None:
-    """Append an 8-byte item to the list held at ``key``."""
-    raw = cursor.get(key)
-    cursor.put(key, item if raw is None else raw + item)
+    """Append an 8-byte item to the list held at ``key`` (a new key: one write)."""
+    if not cursor.put(key, item, overwrite=False):  # (it exists: the cursor is on it)
+        cursor.put(key, cursor.value() + item)
 
 
 def _list_remove(cursor: Any, key: bytes, item: bytes) -> None:
