@@ -27,6 +27,7 @@ from ztunnel.identity.tls import TlsPolicy
 from ztunnel.metrics import Family, Metrics
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import CompanionBuilder, ProxyInstance
+from ztunnel.proxy.socks5 import DnsExchange
 from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.store import ChangeKind, State, StateChange
 
@@ -100,16 +101,37 @@ class DataPlane:
         self._unsubscribe: Callable[[], None] | None = None
 
     def _dns_companions(self) -> CompanionBuilder | None:
-        """The DNS proxy beside every ProxyInstance (``ISTIO_META_DNS_CAPTURE``, on by default)."""
+        """The DNS proxy beside every ProxyInstance (``ISTIO_META_DNS_CAPTURE``, on by default);
+        with SOCKS5 on, it also resolves the instance's SOCKS5 hostnames (Rust: the proxy's
+        ``resolver`` is the DNS server's store, so the same answers as the pod's own queries)."""
         cfg = self.config
         if not cfg.dns_proxy:
             return None
         from ztunnel.dns.forwarder import ResolvConfSource
-        from ztunnel.dns.server import dns_companions
+        from ztunnel.dns.server import DnsServer, dns_companions
 
-        return dns_companions(
+        build = dns_companions(
             cfg, self.state, self.metrics.dns, ResolvConfSource(str(cfg.dns_resolv_conf))
         )
+        if not cfg.socks5:
+            return build
+
+        def exchange(server: DnsServer) -> DnsExchange:
+            async def ask(query: bytes) -> bytes | None:
+                # Over "TCP": the answer is not truncated to fit a datagram.
+                got = server.answer_now(query, False)
+                if got is None or isinstance(got, bytes):
+                    return got
+                return await server.answer_later(got, False)
+
+            return ask
+
+        def build_with_socks5(inst: ProxyInstance) -> list[DnsServer]:
+            servers = build(inst)
+            inst.dns_exchange = exchange(servers[0])
+            return servers
+
+        return build_with_socks5
 
     def build(
         self,

@@ -64,3 +64,44 @@ def test_a_bad_crl_file_is_a_data_plane_error(tmp_path: object) -> None:
     bad.write_bytes(b"not a CRL")
     with pytest.raises(DataPlaneError, match="CRL_PATH"):
         tls_policy(replace(Config(), crl_path=bad), CollectorRegistry())
+
+
+SOCKS5_STATE = """
+workloads:
+- uid: c//v1/Pod/ns/a
+  name: a
+  namespace: ns
+  serviceAccount: sa
+  trustDomain: cluster.local
+  workloadIps: ["10.0.1.2"]
+  protocol: HBONE
+services:
+- name: s1
+  namespace: ns
+  hostname: s1.ns.svc.cluster.local
+  vips: ["/10.96.0.20"]
+  ports: {80: 8080}
+"""
+
+
+async def test_socks5_hostnames_are_answered_by_the_instances_dns_proxy() -> None:
+    """Rust ProxyFactory::new_proxies_from_factory: the proxy's resolver is its DNS server's
+    (server.resolver()), so a SOCKS5 hostname gets the answer the pod's own query would."""
+    from ztunnel.proxy.socks5_proto import first_address, lookup_query
+    from ztunnel.state.localconfig import load_local_config
+
+    state = State()
+    load_local_config(SOCKS5_STATE).apply_to(state)
+    secrets = SecretManager(LocalCA.ephemeral(trust_domain="cluster.local"))
+    info = WorkloadInfo("ns", "a", "sa")
+    off = DataPlane(Config(), state, secrets, CollectorRegistry(), tag="t")
+    assert off.build(info, None).dns_exchange is None
+    dp = DataPlane(Config(socks5=True), state, secrets, CollectorRegistry(), tag="t")
+    inst = dp.build(info, None)
+    assert inst.dns_exchange is not None
+    reply = await inst.dns_exchange(lookup_query("s1.ns.svc.cluster.local", False))
+    assert str(first_address(reply)) == "10.96.0.20"
+    short = await inst.dns_exchange(lookup_query("s1", False))  # expanded in ns, as a pod's
+    assert str(first_address(short)) == "10.96.0.20"
+    await off.close()
+    await dp.close()

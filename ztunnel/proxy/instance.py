@@ -1,4 +1,5 @@
-"""One proxied workload's listeners (outbound 15001, inbound plaintext 15006, inbound HBONE 15008).
+"""One proxied workload's listeners (outbound 15001, inbound plaintext 15006, inbound HBONE 15008,
+and SOCKS5 on 127.0.0.1:15080 with ``UNSTABLE_ENABLE_SOCKS5``).
 
 Dedicated mode runs one instance in ztunnel's own network namespace; in-pod (shared) mode runs
 one per pod, with every socket created inside that pod's namespace. An instance owns its
@@ -15,7 +16,15 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config, WorkloadInfo
+from ztunnel.config import (
+    HBONE_PORT,
+    INBOUND_PLAINTEXT_PORT,
+    OUTBOUND_PORT,
+    SOCKS5_HOST,
+    SOCKS5_PORT,
+    Config,
+    WorkloadInfo,
+)
 from ztunnel.core.addr import IPAddr
 from ztunnel.core.identity import Identity
 from ztunnel.identity.crl import CrlManager
@@ -30,6 +39,7 @@ from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.outbound import Outbound
 from ztunnel.proxy.sockets import SocketFactory
+from ztunnel.proxy.socks5 import DnsExchange, Socks5
 from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.model import Workload
 from ztunnel.state.store import State
@@ -75,6 +85,9 @@ class ProxyInstance:
         self._identity: Identity | None = None
         self._ips_of: Workload | None = None
         self._ips: frozenset[IPAddr] = frozenset()
+        # SOCKS5 hostnames are resolved by this instance's DNS proxy (Rust: the DNS server's
+        # resolver); the composition root sets this when it builds the DNS companion.
+        self.dns_exchange: DnsExchange | None = None
         self.sockets = SocketFactory(
             mark=config.packet_mark,
             netns_fd=netns_fd,
@@ -137,19 +150,25 @@ class ProxyInstance:
 
     def bind(self) -> None:
         """Create all listening sockets (inside the netns); on any failure, none stay open."""
-        handlers = (
-            (OUTBOUND_PORT, "outbound", Outbound(self.ctx).handle, Reporter.SOURCE),
+        ctx = self.ctx
+        outbound = Outbound(ctx)
+        handlers: list[tuple[int, str, Any, Reporter]] = [
+            (OUTBOUND_PORT, "outbound", outbound.handle, Reporter.SOURCE),
             (
                 INBOUND_PLAINTEXT_PORT,
                 "inbound_passthrough",
-                InboundPassthrough(self.ctx).handle,
+                InboundPassthrough(ctx).handle,
                 Reporter.DESTINATION,
             ),
             (HBONE_PORT, "inbound", self.inbound.handle, Reporter.DESTINATION),
-        )
+        ]
+        if self.config.socks5:
+            socks5 = Socks5(ctx, outbound, self.dns_exchange)
+            handlers.append((SOCKS5_PORT, "socks5", socks5.handle, Reporter.SOURCE))
         try:
             for port, name, handler, reporter in handlers:
-                lst = Listener(self._listen(port), handler, f"{self.name} {name}")
+                sock = self._listen_socks5() if port == SOCKS5_PORT else self._listen(port)
+                lst = Listener(sock, handler, f"{self.name} {name}")
                 lst.budget = self.sockets.budget  # refuse connections within the fd reserve
                 lst.pass_peer = port == HBONE_PORT  # (an access-log line even once reset)
                 if self.ctx.metrics is not None:
@@ -194,6 +213,20 @@ class ProxyInstance:
                         raise last from None
         assert last is not None
         raise last
+
+    def _listen_socks5(self) -> socket.socket:
+        """127.0.0.1:15080 only, as Rust (its dual-stack TODO)."""
+        try:
+            return self.sockets.listener(
+                (SOCKS5_HOST, SOCKS5_PORT),
+                family=socket.AF_INET,
+                reuse_port=self.config.inpod_port_reuse,
+                transparent=False,
+            )
+        except OSError as e:
+            raise OSError(
+                e.errno, f"cannot bind {SOCKS5_HOST}:{SOCKS5_PORT}: {e.strerror}"
+            ) from None
 
     def start(self) -> None:
         for lst in self.listeners:
