@@ -140,6 +140,7 @@ class DataPlane:
         name: str = "",
         **kwargs: Any,
     ) -> ProxyInstance:
+        self_proxy = self.is_self_proxy(info, netns_fd)
         return self.instance_class(
             self.config,
             self.state,
@@ -150,9 +151,39 @@ class DataPlane:
             name=name,
             metrics=self.metrics,
             policies=self.policies,
-            companions=self.companions,
+            companions=None if self_proxy else self.companions,
+            self_proxy=self_proxy,
             **kwargs,
         )
+
+    def is_self_proxy(self, info: WorkloadInfo, netns_fd: int | None) -> bool:
+        """In shared mode every pod's instance lives in the pod's netns; the one for ztunnel's
+        own workload in ztunnel's own netns is the self-proxy (:meth:`build_self_proxy`). Told
+        apart here, so that a worker handed its listeners builds the same kind of instance."""
+        cfg = self.config
+        return (
+            cfg.proxy_mode is ProxyMode.SHARED
+            and netns_fd is None
+            and cfg.ztunnel_workload is not None
+            and info == cfg.ztunnel_workload
+        )
+
+    def build_self_proxy(self) -> ProxyInstance | None:
+        """Rust ``create_ztunnel_self_proxy_listener``: in shared mode, with ztunnel's own
+        workload known (POD_NAMESPACE, POD_NAME, SERVICE_ACCOUNT), an inbound HBONE listener on
+        15008 in ztunnel's own netns, for ztunnel as a workload: mesh clients reach its own
+        ports (the metrics on 15020) over mTLS, and its policies apply. Not bound yet."""
+        cfg = self.config
+        info = cfg.ztunnel_workload
+        if cfg.proxy_mode is not ProxyMode.SHARED or info is None:
+            return None
+        log.info(
+            "creating ztunnel self-proxy listener with identity: spiffe://%s/ns/%s/sa/%s",
+            cfg.trust_domain,
+            info.namespace,
+            info.service_account,
+        )
+        return self.build(info, None, "ztunnel self-proxy")
 
     # --- housekeeping --------------------------------------------------------------------------
 

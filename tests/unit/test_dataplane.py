@@ -105,3 +105,31 @@ async def test_socks5_hostnames_are_answered_by_the_instances_dns_proxy() -> Non
     assert str(first_address(short)) == "10.96.0.20"
     await off.close()
     await dp.close()
+
+
+def test_the_self_proxy_is_ztunnels_own_inbound_only() -> None:
+    """Rust create_ztunnel_self_proxy_listener: only in shared mode and with ztunnel's own
+    workload known; an Inbound alone, its sockets unmarked (DefaultSocketFactory) and never
+    spoofing the client (disable_inbound_freebind), no DNS proxy. A worker handed its
+    listeners (the same info, no netns) builds the same kind of instance."""
+    from dataclasses import replace
+
+    from ztunnel.config import ProxyMode
+
+    secrets = SecretManager(LocalCA.ephemeral(trust_domain="cluster.local"))
+    own = WorkloadInfo("istio-system", "ztunnel-x", "ztunnel")
+    shared = Config(ztunnel_workload=own, socks5=True)
+    for cfg in (Config(), replace(shared, proxy_mode=ProxyMode.DEDICATED)):
+        assert (
+            DataPlane(cfg, State(), secrets, CollectorRegistry(), tag="t").build_self_proxy()
+            is None
+        )
+    dp = DataPlane(shared, State(), secrets, CollectorRegistry(), tag="t")
+    inst = dp.build_self_proxy()
+    assert inst is not None and inst.self_proxy and inst.info == own
+    assert inst.sockets.mark is None and inst.sockets.transparent_ok is False
+    assert inst.companions == []
+    assert dp.build(own, None).self_proxy  # (the worker's build)
+    pod = dp.build(WorkloadInfo("ns", "a", "sa"), None)
+    assert not pod.self_proxy and pod.sockets.mark == 1337 and pod.companions
+    assert not dp.build(own, 42).self_proxy  # (a pod's netns: never the self-proxy)

@@ -2,8 +2,12 @@
 and SOCKS5 on 127.0.0.1:15080 with ``UNSTABLE_ENABLE_SOCKS5``).
 
 Dedicated mode runs one instance in ztunnel's own network namespace; in-pod (shared) mode runs
-one per pod, with every socket created inside that pod's namespace. An instance owns its
-listeners, their connection tasks and its HBONE connection pool.
+one per pod, with every socket created inside that pod's namespace, and, with ztunnel's own
+workload known (POD_NAME, POD_NAMESPACE, SERVICE_ACCOUNT), the *self-proxy*: an instance for
+ztunnel itself in its own namespace with the inbound HBONE listener only, so mesh clients reach
+ztunnel's own ports (15020) over mTLS, under ztunnel's policies (Rust
+``create_ztunnel_self_proxy_listener``). An instance owns its listeners, their connection tasks
+and its HBONE connection pool.
 """
 
 from __future__ import annotations
@@ -76,11 +80,15 @@ class ProxyInstance:
         metrics: Metrics | None = None,
         policies: PolicyIndex | None = None,
         companions: CompanionBuilder | None = None,
+        self_proxy: bool = False,
     ) -> None:
         self.config = config
         self.state = state
         self.info = info
         self.name = name or f"{info.namespace}/{info.name}"
+        # ztunnel's own inbound (see the module docstring): as Rust's, its sockets carry no
+        # mark (DefaultSocketFactory) and never spoof the client (disable_inbound_freebind).
+        self.self_proxy = self_proxy
         self._extra_ips = extra_local_ips
         self._identity: Identity | None = None
         self._ips_of: Workload | None = None
@@ -89,7 +97,7 @@ class ProxyInstance:
         # resolver); the composition root sets this when it builds the DNS companion.
         self.dns_exchange: DnsExchange | None = None
         self.sockets = SocketFactory(
-            mark=config.packet_mark,
+            mark=None if self_proxy else config.packet_mark,
             netns_fd=netns_fd,
             keepalive=(config.keepalive_time, config.keepalive_interval, config.keepalive_retries)
             if config.keepalive_enabled
@@ -97,7 +105,7 @@ class ProxyInstance:
             user_timeout=config.user_timeout_enabled,
             budget=FdBudget(config.fd_reserve),
         )
-        if config.enable_orig_src is False:
+        if config.enable_orig_src is False or self_proxy:
             # ENABLE_ORIG_SRC=false: no spoofing on the upstream leg to the app either (Rust
             # proxy.rs maybe_set_transparent): the app sees ztunnel's address.
             self.sockets.transparent_ok = False
@@ -151,20 +159,23 @@ class ProxyInstance:
     def bind(self) -> None:
         """Create all listening sockets (inside the netns); on any failure, none stay open."""
         ctx = self.ctx
-        outbound = Outbound(ctx)
-        handlers: list[tuple[int, str, Any, Reporter]] = [
-            (OUTBOUND_PORT, "outbound", outbound.handle, Reporter.SOURCE),
-            (
-                INBOUND_PLAINTEXT_PORT,
-                "inbound_passthrough",
-                InboundPassthrough(ctx).handle,
-                Reporter.DESTINATION,
-            ),
-            (HBONE_PORT, "inbound", self.inbound.handle, Reporter.DESTINATION),
-        ]
-        if self.config.socks5:
-            socks5 = Socks5(ctx, outbound, self.dns_exchange)
-            handlers.append((SOCKS5_PORT, "socks5", socks5.handle, Reporter.SOURCE))
+        inbound = (HBONE_PORT, "inbound", self.inbound.handle, Reporter.DESTINATION)
+        handlers: list[tuple[int, str, Any, Reporter]] = [inbound]
+        if not self.self_proxy:  # (the self-proxy is Rust's lone Inbound)
+            outbound = Outbound(ctx)
+            handlers = [
+                (OUTBOUND_PORT, "outbound", outbound.handle, Reporter.SOURCE),
+                (
+                    INBOUND_PLAINTEXT_PORT,
+                    "inbound_passthrough",
+                    InboundPassthrough(ctx).handle,
+                    Reporter.DESTINATION,
+                ),
+                inbound,
+            ]
+            if self.config.socks5:
+                socks5 = Socks5(ctx, outbound, self.dns_exchange)
+                handlers.append((SOCKS5_PORT, "socks5", socks5.handle, Reporter.SOURCE))
         try:
             for port, name, handler, reporter in handlers:
                 sock = self._listen_socks5() if port == SOCKS5_PORT else self._listen(port)
