@@ -164,6 +164,23 @@ def local_config_seeds() -> list[bytes]:
     ]
 
 
+def socks5_seeds() -> list[bytes]:
+    import dns.message
+    import dns.rrset
+
+    q = dns.message.make_query("s1.default.svc.cluster.local", "A")
+    r = dns.message.make_response(q)
+    r.answer.append(dns.rrset.from_text(q.question[0].name, 30, "IN", "A", "10.96.0.20"))
+    greeting = b"\x05\x01\x00"
+    return [
+        greeting + b"\x05\x01\x00\x01\x0a\x00\x02\x02\x1f\x90",
+        greeting + b"\x05\x01\x00\x04" + bytes(15) + b"\x01\x00\x50",
+        greeting + b"\x05\x01\x00\x03\x1cs1.default.svc.cluster.local\x00\x50",
+        b"\x05\x02\x02\x00\x05\x02\x00\x01" + bytes(6),
+        r.to_wire(),
+    ]
+
+
 SEEDS = {
     "h2_server": h2_server_seeds,
     "h2_client": h2_client_seeds,
@@ -174,6 +191,7 @@ SEEDS = {
     "xds_authorization": xds_authorization_seeds,
     "admin_http": admin_http_seeds,
     "local_config": local_config_seeds,
+    "socks5": socks5_seeds,
 }
 
 

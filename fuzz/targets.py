@@ -4,7 +4,8 @@ outcome for a hostile peer); anything else, or a broken invariant, is a crash.
 
 The peers: an HBONE client or server (HTTP/2 frames and HPACK, the TLS ClientHello peek),
 the istio-cni node agent (ZDS records), istiod (xDS Address and Authorization resources), a
-scraper or local user (the admin/stats/readiness HTTP parser), and a local config file.
+scraper or local user (the admin/stats/readiness HTTP parser), a SOCKS5 client in the pod (the
+handshake, and the DNS answer its hostname gets), and a local config file.
 
 Run with atheris (``fuzz/run.py``, ``make fuzz``) or over the corpora in the unit tests.
 """
@@ -24,6 +25,7 @@ from ztunnel.admin.http import HttpError, RequestParser
 from ztunnel.hbone import h2conn as h2
 from ztunnel.hbone.clienthello import NotClientHello, parse_client_hello
 from ztunnel.inpod.protocol import ZdsProtocolError, ZdsSession, decode_request
+from ztunnel.proxy.socks5_proto import Handshake, Reply, Request, SocksError, first_address
 from ztunnel.state.localconfig import LocalConfigError, load_local_config
 from ztunnel.xds.convert import ConversionError, decode_address, decode_authorization
 
@@ -151,6 +153,29 @@ def admin_http(data: bytes) -> None:
             pass
     except HttpError:
         pass
+
+
+def socks5(data: bytes) -> None:
+    """The SOCKS5 handshake fed as its I/O loop feeds it (exactly the bytes it asks for): it
+    ends in a request, having read no more than the protocol allows, or in a protocol error
+    (7) or, for a hostname, not before its lookup. The same bytes as the DNS response to a
+    hostname lookup: an address, or host unreachable (4)."""
+    hs = Handshake()
+    pos = 0
+    with contextlib.suppress(SocksError):
+        while pos + hs.need <= len(data):
+            n = hs.need
+            out = hs.feed(data[pos : pos + n])
+            pos += n
+            if isinstance(out, Request):
+                assert pos <= 2 + 255 + 2 + 2 + 1 + 255 + 2, pos
+                assert isinstance(out.host, str) or out.target().port == out.port
+                break
+            assert out is None or out == b"\x05\x00"
+    try:
+        first_address(data)
+    except SocksError as e:
+        assert e.reply is Reply.HOST_UNREACHABLE
 
 
 def local_config(data: bytes) -> None:
@@ -281,4 +306,5 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "admin_http": admin_http,
     "local_config": local_config,
     "hbone_server": hbone_server,
+    "socks5": socks5,
 }

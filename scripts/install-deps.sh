@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 # bind9-dnsutils (dig), dnsmasq-base (the binary only: no service, never touches the host's
 # resolver), dnsperf: the DNS proxy's tests and benchmark. util-linux (setpriv): a ztunnel
 # started without capabilities (the in-pod start-up check's test).
+# curl: a real SOCKS5 client (--socks5, --socks5-hostname) for the SOCKS5 listener tests.
 APT_PACKAGES=(iptables iproute2 ipset haproxy iperf3 stunnel4 procps openssl golang-go tmux
-  bind9-dnsutils dnsmasq-base dnsperf util-linux)
+  bind9-dnsutils dnsmasq-base dnsperf util-linux curl)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

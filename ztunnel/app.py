@@ -71,6 +71,7 @@ class App:
     secrets: SecretManager | None = None
     dedicated: ProxyInstance | None = None
     inpod: InPodManager | None = None
+    self_proxy: ProxyInstance | None = None  # shared mode: ztunnel's own inbound (dataplane.py)
     _zds_task: asyncio.Task[None] | None = None
     _serve_task: asyncio.Task[None] | None = None  # waits for the first sync, then serves
     xds: AdsClient | None = None
@@ -222,6 +223,12 @@ class App:
             except OSError as e:
                 raise StartupError(f"cannot bind listeners: {e}") from None
             self.dedicated = proxy
+        elif (own := dp.build_self_proxy()) is not None:
+            try:
+                own.bind()  # (Rust: a bind failure stops start-up too)
+            except OSError as e:
+                raise StartupError(f"cannot bind the self-proxy listener: {e}") from None
+            self.self_proxy = own
         self._serve_task = asyncio.get_running_loop().create_task(
             self._serve_when_synced(xds_ready, proxy_ready)
         )
@@ -250,6 +257,8 @@ class App:
             await self.workers.barrier()
         if xds_ready is not None:
             xds_ready.done()
+        if self.self_proxy is not None:
+            self.self_proxy.start()
         if self.dedicated is not None:
             self.dedicated.start()
             proxy_ready.done()
@@ -301,9 +310,10 @@ class App:
     def _instances(self) -> list[ProxyInstance]:
         if self.dedicated is not None:
             return [self.dedicated]
+        own = [self.self_proxy] if self.self_proxy is not None else []
         if self.inpod is not None:
-            return self.inpod.instances()
-        return []
+            return [*own, *self.inpod.instances()]
+        return own
 
     def _bind_servers(self) -> None:
         cfg = self.config
@@ -430,10 +440,10 @@ class App:
                     await task
         if self.xds is not None:
             await self.xds.close()
-        if self.dedicated is not None:
-            cut += await self.dedicated.drain(deadline)
+        drains = [p.drain(deadline) for p in (self.dedicated, self.self_proxy) if p is not None]
         if self.inpod is not None:
-            cut += await self.inpod.shutdown(deadline)
+            drains.append(self.inpod.shutdown(deadline))
+        cut += sum(await asyncio.gather(*drains))
         if cut:
             log.warning(
                 "drain duration expired with %d pending connections, forcefully shutting down", cut

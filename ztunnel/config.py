@@ -30,9 +30,14 @@ DNS_PROXY_ADDR = f"localhost:{DNS_PORT}"
 ADMIN_PORT = 15000
 STATS_PORT = 15020
 READINESS_PORT = 15021
+# UNSTABLE_ENABLE_SOCKS5: 127.0.0.1 only, as Rust (config.rs: "TODO: use Address::Localhost").
+SOCKS5_PORT = 15080
+SOCKS5_HOST = "127.0.0.1"
 
-# Connections to these ports are ztunnel calling itself (a loop): refused.
+# Connections to these ports are ztunnel calling itself (a loop): refused. Rust's illegal_ports:
+# 15008, 15006, 15001, and 15080 when SOCKS5 is on (``Config.illegal_ports``).
 ILLEGAL_PORTS = frozenset({OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT})
+_ILLEGAL_PORTS_SOCKS5 = ILLEGAL_PORTS | {SOCKS5_PORT}
 
 DEFAULT_INPOD_MARK = 1337
 DEFAULT_INPOD_UDS = "/var/run/ztunnel/ztunnel.sock"
@@ -111,6 +116,11 @@ class Config:
     pod_name: str = ""
     pod_namespace: str = ""
     service_account: str = ""
+    # ztunnel's own workload, when POD_NAMESPACE, POD_NAME and SERVICE_ACCOUNT are all set (the
+    # chart sets them from the Downward API): in shared mode, the self-proxy's inbound HBONE
+    # listener serves it (Rust config.rs ztunnel_workload, proxyfactory.rs
+    # create_ztunnel_self_proxy_listener).
+    ztunnel_workload: WorkloadInfo | None = None
     instance_ip: str = ""
     trust_domain: str = "cluster.local"
     cluster_id: str = "Kubernetes"
@@ -155,6 +165,9 @@ class Config:
     keepalive_interval: timedelta = timedelta(seconds=180)
     keepalive_retries: int = 9
     user_timeout_enabled: bool = False
+    # UNSTABLE_ENABLE_SOCKS5: a SOCKS5 listener on 127.0.0.1:15080 beside each proxy instance's
+    # other listeners (Rust socks5_addr), off by default.
+    socks5: bool = False
     connection_termination_deadline: timedelta = timedelta(seconds=5)
     copy_mode: CopyMode = CopyMode.SPLICE  # ZTUNNEL_COPY_MODE
     malloc_tuning: bool = True  # ZTUNNEL_MALLOC_TUNING: see ztunnel/net/malloc.py
@@ -229,6 +242,11 @@ class Config:
                 v = None if self.auth_token is None else str(self.auth_token)
             out[k] = _jsonable(v)
         return out
+
+    @property
+    def illegal_ports(self) -> frozenset[int]:
+        """Ports no connection may target on ztunnel's own addresses (Rust ``illegal_ports``)."""
+        return _ILLEGAL_PORTS_SOCKS5 if self.socks5 else ILLEGAL_PORTS
 
     @property
     def local_config_given(self) -> bool:
@@ -684,6 +702,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         pod_name=e.get("POD_NAME"),
         pod_namespace=e.get("POD_NAMESPACE"),
         service_account=e.get("SERVICE_ACCOUNT"),
+        ztunnel_workload=_ztunnel_workload(e),
         instance_ip=e.get("INSTANCE_IP"),
         trust_domain=e.get("TRUST_DOMAIN", "cluster.local") or "cluster.local",
         # Rust: ISTIO_META_CLUSTER_ID when set (even empty), else CLUSTER_ID, else Kubernetes.
@@ -722,6 +741,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         keepalive_interval=e.duration("KEEPALIVE_INTERVAL", timedelta(seconds=180)),
         keepalive_retries=e.uint("KEEPALIVE_RETRIES", 9, 32),  # (the kernel takes 1..127)
         user_timeout_enabled=e.flag("USER_TIMEOUT_ENABLED", False),
+        socks5=e.flag("UNSTABLE_ENABLE_SOCKS5", False),
         connection_termination_deadline=_termination_deadline(e),
         copy_mode=copy_mode,
         malloc_tuning=e.flag("ZTUNNEL_MALLOC_TUNING", True),
@@ -816,6 +836,15 @@ def _socket_addr(text: str) -> bool:
     except ValueError:
         return False
     return host.startswith("[") or ":" not in host
+
+
+def _ztunnel_workload(e: _Env) -> WorkloadInfo | None:
+    """Rust config.rs: ztunnel's own workload from the Downward API variables, when all three
+    are set (even empty, as Rust's ``parse`` takes them)."""
+    ns, sa, name = e.opt("POD_NAMESPACE"), e.opt("SERVICE_ACCOUNT"), e.opt("POD_NAME")
+    if ns is None or sa is None or name is None:
+        return None
+    return WorkloadInfo(ns, name, sa)
 
 
 def _cluster_id(e: _Env) -> str:

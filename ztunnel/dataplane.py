@@ -27,6 +27,7 @@ from ztunnel.identity.tls import TlsPolicy
 from ztunnel.metrics import Metrics, crl_metrics
 from ztunnel.net.copy import PipePool
 from ztunnel.proxy.instance import CompanionBuilder, ProxyInstance
+from ztunnel.proxy.socks5 import DnsExchange
 from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.store import ChangeKind, State, StateChange
 
@@ -98,16 +99,37 @@ class DataPlane:
         self._unsubscribe: Callable[[], None] | None = None
 
     def _dns_companions(self) -> CompanionBuilder | None:
-        """The DNS proxy beside every ProxyInstance (``ISTIO_META_DNS_CAPTURE``, on by default)."""
+        """The DNS proxy beside every ProxyInstance (``ISTIO_META_DNS_CAPTURE``, on by default);
+        with SOCKS5 on, it also resolves the instance's SOCKS5 hostnames (Rust: the proxy's
+        ``resolver`` is the DNS server's store, so the same answers as the pod's own queries)."""
         cfg = self.config
         if not cfg.dns_proxy:
             return None
         from ztunnel.dns.forwarder import ResolvConfSource
-        from ztunnel.dns.server import dns_companions
+        from ztunnel.dns.server import DnsServer, dns_companions
 
-        return dns_companions(
+        build = dns_companions(
             cfg, self.state, self.metrics.dns, ResolvConfSource(str(cfg.dns_resolv_conf))
         )
+        if not cfg.socks5:
+            return build
+
+        def exchange(server: DnsServer) -> DnsExchange:
+            async def ask(query: bytes) -> bytes | None:
+                # Over "TCP": the answer is not truncated to fit a datagram.
+                got = server.answer_now(query, False)
+                if got is None or isinstance(got, bytes):
+                    return got
+                return await server.answer_later(got, False)
+
+            return ask
+
+        def build_with_socks5(inst: ProxyInstance) -> list[DnsServer]:
+            servers = build(inst)
+            inst.dns_exchange = exchange(servers[0])
+            return servers
+
+        return build_with_socks5
 
     def build(
         self,
@@ -116,6 +138,7 @@ class DataPlane:
         name: str = "",
         **kwargs: Any,
     ) -> ProxyInstance:
+        self_proxy = self.is_self_proxy(info, netns_fd)
         return self.instance_class(
             self.config,
             self.state,
@@ -126,9 +149,39 @@ class DataPlane:
             name=name,
             metrics=self.metrics,
             policies=self.policies,
-            companions=self.companions,
+            companions=None if self_proxy else self.companions,
+            self_proxy=self_proxy,
             **kwargs,
         )
+
+    def is_self_proxy(self, info: WorkloadInfo, netns_fd: int | None) -> bool:
+        """In shared mode every pod's instance lives in the pod's netns; the one for ztunnel's
+        own workload in ztunnel's own netns is the self-proxy (:meth:`build_self_proxy`). Told
+        apart here, so that a worker handed its listeners builds the same kind of instance."""
+        cfg = self.config
+        return (
+            cfg.proxy_mode is ProxyMode.SHARED
+            and netns_fd is None
+            and cfg.ztunnel_workload is not None
+            and info == cfg.ztunnel_workload
+        )
+
+    def build_self_proxy(self) -> ProxyInstance | None:
+        """Rust ``create_ztunnel_self_proxy_listener``: in shared mode, with ztunnel's own
+        workload known (POD_NAMESPACE, POD_NAME, SERVICE_ACCOUNT), an inbound HBONE listener on
+        15008 in ztunnel's own netns, for ztunnel as a workload: mesh clients reach its own
+        ports (the metrics on 15020) over mTLS, and its policies apply. Not bound yet."""
+        cfg = self.config
+        info = cfg.ztunnel_workload
+        if cfg.proxy_mode is not ProxyMode.SHARED or info is None:
+            return None
+        log.info(
+            "creating ztunnel self-proxy listener with identity: spiffe://%s/ns/%s/sa/%s",
+            cfg.trust_domain,
+            info.namespace,
+            info.service_account,
+        )
+        return self.build(info, None, "ztunnel self-proxy")
 
     # --- housekeeping --------------------------------------------------------------------------
 

@@ -180,3 +180,36 @@ def test_hostile_peer_limits() -> None:
     assert c.fd_reserve == 100
     with pytest.raises(ConfigError, match="ZTUNNEL_H2_MAX_EMPTY_FRAMES"):
         Config.from_env({"ZTUNNEL_H2_MAX_EMPTY_FRAMES": "0"})
+
+
+def test_socks5_is_off_by_default_and_adds_its_port_to_the_illegal_ones() -> None:
+    """Rust construct_config: UNSTABLE_ENABLE_SOCKS5=true sets socks5_addr 127.0.0.1:15080 and
+    inserts 15080 into illegal_ports (beside 15008, 15006, 15001)."""
+    off = Config.from_env({})
+    assert off.socks5 is False and off.illegal_ports == {15001, 15006, 15008}
+    on = Config.from_env({"UNSTABLE_ENABLE_SOCKS5": "true"})
+    assert on.socks5 is True and on.illegal_ports == {15001, 15006, 15008, 15080}
+    with pytest.raises(ConfigError, match="UNSTABLE_ENABLE_SOCKS5"):
+        Config.from_env({"UNSTABLE_ENABLE_SOCKS5": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        (
+            {"POD_NAMESPACE": "istio-system", "POD_NAME": "ztunnel-x", "SERVICE_ACCOUNT": "zt"},
+            WorkloadInfo("istio-system", "ztunnel-x", "zt"),
+        ),
+        ({"POD_NAMESPACE": "istio-system", "POD_NAME": "ztunnel-x"}, None),
+        ({"POD_NAME": "ztunnel-x", "SERVICE_ACCOUNT": "zt"}, None),
+        ({}, None),
+        # Rust parse::<String> takes a set, empty variable as set
+        ({"POD_NAMESPACE": "", "POD_NAME": "", "SERVICE_ACCOUNT": ""}, WorkloadInfo("", "", "")),
+    ],
+)
+def test_ztunnel_workload_needs_all_three_downward_api_variables(
+    env: dict[str, str], want: WorkloadInfo | None
+) -> None:
+    """Rust construct_config: ztunnel_identity/ztunnel_workload only when POD_NAMESPACE,
+    SERVICE_ACCOUNT and POD_NAME are all set."""
+    assert Config.from_env(env).ztunnel_workload == want

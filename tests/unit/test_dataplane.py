@@ -80,3 +80,72 @@ async def test_each_process_gets_its_share_of_the_node_copy_budget(
     await dp.close()
     half = Config.from_env({"ZTUNNEL_COPY_BUDGET": str(8 << 20)})
     assert half.copy_budget == 8 << 20
+
+
+SOCKS5_STATE = """
+workloads:
+- uid: c//v1/Pod/ns/a
+  name: a
+  namespace: ns
+  serviceAccount: sa
+  trustDomain: cluster.local
+  workloadIps: ["10.0.1.2"]
+  protocol: HBONE
+services:
+- name: s1
+  namespace: ns
+  hostname: s1.ns.svc.cluster.local
+  vips: ["/10.96.0.20"]
+  ports: {80: 8080}
+"""
+
+
+async def test_socks5_hostnames_are_answered_by_the_instances_dns_proxy() -> None:
+    """Rust ProxyFactory::new_proxies_from_factory: the proxy's resolver is its DNS server's
+    (server.resolver()), so a SOCKS5 hostname gets the answer the pod's own query would."""
+    from ztunnel.proxy.socks5_proto import first_address, lookup_query
+    from ztunnel.state.localconfig import load_local_config
+
+    state = State()
+    load_local_config(SOCKS5_STATE).apply_to(state)
+    secrets = SecretManager(LocalCA.ephemeral(trust_domain="cluster.local"))
+    info = WorkloadInfo("ns", "a", "sa")
+    off = DataPlane(Config(), state, secrets, CollectorRegistry(), tag="t")
+    assert off.build(info, None).dns_exchange is None
+    dp = DataPlane(Config(socks5=True), state, secrets, CollectorRegistry(), tag="t")
+    inst = dp.build(info, None)
+    assert inst.dns_exchange is not None
+    reply = await inst.dns_exchange(lookup_query("s1.ns.svc.cluster.local", False))
+    assert str(first_address(reply)) == "10.96.0.20"
+    short = await inst.dns_exchange(lookup_query("s1", False))  # expanded in ns, as a pod's
+    assert str(first_address(short)) == "10.96.0.20"
+    await off.close()
+    await dp.close()
+
+
+def test_the_self_proxy_is_ztunnels_own_inbound_only() -> None:
+    """Rust create_ztunnel_self_proxy_listener: only in shared mode and with ztunnel's own
+    workload known; an Inbound alone, its sockets unmarked (DefaultSocketFactory) and never
+    spoofing the client (disable_inbound_freebind), no DNS proxy. A worker handed its
+    listeners (the same info, no netns) builds the same kind of instance."""
+    from dataclasses import replace
+
+    from ztunnel.config import ProxyMode
+
+    secrets = SecretManager(LocalCA.ephemeral(trust_domain="cluster.local"))
+    own = WorkloadInfo("istio-system", "ztunnel-x", "ztunnel")
+    shared = Config(ztunnel_workload=own, socks5=True)
+    for cfg in (Config(), replace(shared, proxy_mode=ProxyMode.DEDICATED)):
+        assert (
+            DataPlane(cfg, State(), secrets, CollectorRegistry(), tag="t").build_self_proxy()
+            is None
+        )
+    dp = DataPlane(shared, State(), secrets, CollectorRegistry(), tag="t")
+    inst = dp.build_self_proxy()
+    assert inst is not None and inst.self_proxy and inst.info == own
+    assert inst.sockets.mark is None and inst.sockets.transparent_ok is False
+    assert inst.companions == []
+    assert dp.build(own, None).self_proxy  # (the worker's build)
+    pod = dp.build(WorkloadInfo("ns", "a", "sa"), None)
+    assert not pod.self_proxy and pod.sockets.mark == 1337 and pod.companions
+    assert not dp.build(own, 42).self_proxy  # (a pod's netns: never the self-proxy)

@@ -98,6 +98,15 @@ class UpstreamConnectError(ProxyError):
     status = 503
 
 
+class HboneRejected(ProxyError):
+    """The HBONE server answered our CONNECT with a status other than 200 (401: its policies
+    refused us; 503: it could not reach the application)."""
+
+    def __init__(self, authority: object, status: int) -> None:
+        super().__init__(f"HBONE CONNECT to {authority} failed with status {status}")
+        self.peer_status = status
+
+
 class AuthorizationDenied(ProxyError):
     flag = ResponseFlag.DENY
     status = 401

@@ -13,6 +13,7 @@ from ztunnel.config import Config
 from ztunnel.core.errors import (
     CertificateRevoked,
     H2Failure,
+    HboneRejected,
     IdentityError,
     ProxyError,
     ResponseFlag,
@@ -224,7 +225,7 @@ class HboneConnector:
             rec.log_complete(H2Failure(f"CONNECT to {route.authority} failed: {e}"))
             return None
         if resp.status != 200:
-            rec.log_complete(f"HBONE CONNECT to {route.authority} failed with status {resp.status}")
+            rec.log_complete(HboneRejected(route.authority, resp.status))
             conn.abandon(sid)
             if conn.h2.stream_is_open(sid):
                 conn.h2.reset_stream(sid, h2.ErrorCode.CANCEL)

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ztunnel.config import HBONE_PORT, ILLEGAL_PORTS
+from ztunnel.config import HBONE_PORT
 from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr, parse_ip
 from ztunnel.core.errors import AuthorizationDenied, CertificateRevoked, ProxyError, reportable
 from ztunnel.core.identity import Identity
@@ -392,7 +392,7 @@ class InboundHbone:
         try:
             validate_destination(ctx.state, network, arrival, local, target)
             decided = find_inbound_upstream(
-                ctx.state, network, arrival, local, target, ILLEGAL_PORTS
+                ctx.state, network, arrival, local, target, ctx.config.illegal_ports
             )
         except ProxyError as e:
             _reject(conn, sid, src, e.status, e, arrival=arrival)

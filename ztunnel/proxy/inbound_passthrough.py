@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 
-from ztunnel.config import ILLEGAL_PORTS
 from ztunnel.core.errors import AuthorizationDenied, SelfCallError
 from ztunnel.net.copy import CopyCounters
 from ztunnel.net.sockopt import original_dst, peer_addr
@@ -29,7 +28,7 @@ class InboundPassthrough:
             dst = original_dst(sock)
         except OSError:
             return
-        if dst.port in ILLEGAL_PORTS:
+        if dst.port in ctx.config.illegal_ports:
             log_failed("inbound", src, dst, SelfCallError(dst))
             return
         local = await ctx.wait_local_workload()

@@ -1,8 +1,13 @@
-"""One proxied workload's listeners (outbound 15001, inbound plaintext 15006, inbound HBONE 15008).
+"""One proxied workload's listeners (outbound 15001, inbound plaintext 15006, inbound HBONE 15008,
+and SOCKS5 on 127.0.0.1:15080 with ``UNSTABLE_ENABLE_SOCKS5``).
 
 Dedicated mode runs one instance in ztunnel's own network namespace; in-pod (shared) mode runs
-one per pod, with every socket created inside that pod's namespace. An instance owns its
-listeners, their connection tasks and its HBONE connection pool.
+one per pod, with every socket created inside that pod's namespace, and, with ztunnel's own
+workload known (POD_NAME, POD_NAMESPACE, SERVICE_ACCOUNT), the *self-proxy*: an instance for
+ztunnel itself in its own namespace with the inbound HBONE listener only, so mesh clients reach
+ztunnel's own ports (15020) over mTLS, under ztunnel's policies (Rust
+``create_ztunnel_self_proxy_listener``). An instance owns its listeners, their connection tasks
+and its HBONE connection pool.
 """
 
 from __future__ import annotations
@@ -15,7 +20,15 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from ztunnel.config import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, Config, WorkloadInfo
+from ztunnel.config import (
+    HBONE_PORT,
+    INBOUND_PLAINTEXT_PORT,
+    OUTBOUND_PORT,
+    SOCKS5_HOST,
+    SOCKS5_PORT,
+    Config,
+    WorkloadInfo,
+)
 from ztunnel.core.addr import IPAddr
 from ztunnel.core.identity import Identity
 from ztunnel.identity.crl import CrlManager
@@ -31,6 +44,7 @@ from ztunnel.proxy.inbound_passthrough import InboundPassthrough
 from ztunnel.proxy.listener import Listener
 from ztunnel.proxy.outbound import Outbound
 from ztunnel.proxy.sockets import SocketFactory
+from ztunnel.proxy.socks5 import DnsExchange, Socks5
 from ztunnel.state.authz import PolicyIndex
 from ztunnel.state.model import Workload
 from ztunnel.state.store import State
@@ -67,17 +81,24 @@ class ProxyInstance:
         metrics: Metrics | None = None,
         policies: PolicyIndex | None = None,
         companions: CompanionBuilder | None = None,
+        self_proxy: bool = False,
     ) -> None:
         self.config = config
         self.state = state
         self.info = info
         self.name = name or f"{info.namespace}/{info.name}"
+        # ztunnel's own inbound (see the module docstring): as Rust's, its sockets carry no
+        # mark (DefaultSocketFactory) and never spoof the client (disable_inbound_freebind).
+        self.self_proxy = self_proxy
         self._extra_ips = extra_local_ips
         self._identity: Identity | None = None
         self._ips_of: Workload | None = None
         self._ips: frozenset[IPAddr] = frozenset()
+        # SOCKS5 hostnames are resolved by this instance's DNS proxy (Rust: the DNS server's
+        # resolver); the composition root sets this when it builds the DNS companion.
+        self.dns_exchange: DnsExchange | None = None
         self.sockets = SocketFactory(
-            mark=config.packet_mark,
+            mark=None if self_proxy else config.packet_mark,
             netns_fd=netns_fd,
             socket_config=SocketConfig(
                 config.keepalive_enabled,
@@ -88,7 +109,7 @@ class ProxyInstance:
             ),
             budget=FdBudget(config.fd_reserve),
         )
-        if config.enable_orig_src is False:
+        if config.enable_orig_src is False or self_proxy:
             # ENABLE_ORIG_SRC=false: no spoofing on the upstream leg to the app either (Rust
             # proxy.rs maybe_set_transparent): the app sees ztunnel's address.
             self.sockets.transparent_ok = False
@@ -143,20 +164,31 @@ class ProxyInstance:
     def bind(self) -> None:
         """Create all listening sockets (inside the netns); on any failure, none stay open.
         With ``ENABLE_PROXY=false`` only the companions' (Rust proxyfactory.rs: no ``Proxy``,
-        the DNS server alone)."""
-        handlers = (
-            (OUTBOUND_PORT, "outbound", Outbound(self.ctx).handle, Reporter.SOURCE),
-            (
-                INBOUND_PLAINTEXT_PORT,
-                "inbound_passthrough",
-                InboundPassthrough(self.ctx).handle,
-                Reporter.DESTINATION,
-            ),
-            (HBONE_PORT, "inbound", self.inbound.handle, Reporter.DESTINATION),
-        )
+        the DNS server alone); the self-proxy is made whatever ENABLE_PROXY says, as Rust's."""
+        ctx = self.ctx
+        inbound = (HBONE_PORT, "inbound", self.inbound.handle, Reporter.DESTINATION)
+        handlers: list[tuple[int, str, Any, Reporter]] = [inbound]
+        if not self.self_proxy:  # (the self-proxy is Rust's lone Inbound)
+            outbound = Outbound(ctx)
+            handlers = [
+                (OUTBOUND_PORT, "outbound", outbound.handle, Reporter.SOURCE),
+                (
+                    INBOUND_PLAINTEXT_PORT,
+                    "inbound_passthrough",
+                    InboundPassthrough(ctx).handle,
+                    Reporter.DESTINATION,
+                ),
+                inbound,
+            ]
+            if self.config.socks5:
+                socks5 = Socks5(ctx, outbound, self.dns_exchange)
+                handlers.append((SOCKS5_PORT, "socks5", socks5.handle, Reporter.SOURCE))
+            if not self.config.enable_proxy:
+                handlers = []
         try:
-            for port, name, handler, reporter in handlers if self.config.enable_proxy else ():
-                lst = Listener(self._listen(port), handler, f"{self.name} {name}")
+            for port, name, handler, reporter in handlers:
+                sock = self._listen_socks5() if port == SOCKS5_PORT else self._listen(port)
+                lst = Listener(sock, handler, f"{self.name} {name}")
                 lst.budget = self.sockets.budget  # refuse connections within the fd reserve
                 lst.pass_peer = port == HBONE_PORT  # (an access-log line even once reset)
                 if self.ctx.metrics is not None:
@@ -202,6 +234,20 @@ class ProxyInstance:
                         raise last from None
         assert last is not None
         raise last
+
+    def _listen_socks5(self) -> socket.socket:
+        """127.0.0.1:15080 only, as Rust (its dual-stack TODO)."""
+        try:
+            return self.sockets.listener(
+                (SOCKS5_HOST, SOCKS5_PORT),
+                family=socket.AF_INET,
+                reuse_port=self.config.inpod_port_reuse,
+                transparent=False,
+            )
+        except OSError as e:
+            raise OSError(
+                e.errno, f"cannot bind {SOCKS5_HOST}:{SOCKS5_PORT}: {e.strerror}"
+            ) from None
 
     def start(self) -> None:
         for lst in self.listeners:

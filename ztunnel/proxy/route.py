@@ -64,9 +64,11 @@ class Route:
         return f"{self.kind.value} {self.target}"
 
 
-def is_self_call(dst: SocketAddr, local_ips: Collection[IPAddr]) -> bool:
+def is_self_call(
+    dst: SocketAddr, local_ips: Collection[IPAddr], illegal_ports: Collection[int] = ILLEGAL_PORTS
+) -> bool:
     """A connection to one of ztunnel's own listener ports on this host would loop forever."""
-    return dst.port in ILLEGAL_PORTS and (
+    return dst.port in illegal_ports and (
         dst.ip.is_loopback or dst.ip.is_unspecified or dst.ip in local_ips
     )
 
@@ -79,12 +81,14 @@ def decide_outbound(
     network: str = "",
     local_ips: Collection[IPAddr] = (),
     rng: random.Random | None = None,
+    illegal_ports: Collection[int] = ILLEGAL_PORTS,
 ) -> Route:
-    """Decide how to carry a connection from ``source`` to the original destination ``dst``.
+    """Decide how to carry a connection from ``source`` to the original destination ``dst``
+    (``illegal_ports``: ``Config.illegal_ports``).
 
     Raises a ProxyError subclass when the connection must be refused.
     """
-    if is_self_call(dst, local_ips):
+    if is_self_call(dst, local_ips, illegal_ports):
         raise SelfCallError(dst)
 
     # A service VIP wins over a workload IP here (unlike find_address), as in outbound.rs.
@@ -329,6 +333,7 @@ async def decide_outbound_resolving(
     local_ips: Collection[IPAddr] = (),
     on_dns: Callable[[Workload | None, Workload], None] | None = None,
     rng: random.Random | None = None,
+    illegal_ports: Collection[int] = ILLEGAL_PORTS,
 ) -> Route:
     """:func:`decide_outbound`, with the two things Rust's ``build_request`` awaits first:
 
@@ -342,7 +347,15 @@ async def decide_outbound_resolving(
         ns = source.namespace if source is not None else None
         await state.fetch_address(NetworkAddress(network, dst.ip), ns)
     try:
-        return decide_outbound(state, source, dst, network=network, local_ips=local_ips, rng=rng)
+        return decide_outbound(
+            state,
+            source,
+            dst,
+            network=network,
+            local_ips=local_ips,
+            rng=rng,
+            illegal_ports=illegal_ports,
+        )
     except NeedsResolution as need:
         wl = need.workload
         if on_dns is not None:

@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from ztunnel.config import Config
 from ztunnel.core.addr import SocketAddr, parse_ip
 from ztunnel.core.errors import NoHealthyUpstream, NoValidDestination, SelfCallError
 from ztunnel.core.identity import Identity
@@ -195,6 +196,15 @@ def test_cross_network_without_gateway_is_refused_clearly(state: State) -> None:
 def test_self_calls_refused(state: State, dst: str) -> None:
     with pytest.raises(SelfCallError):
         route(state, dst, local_ips=frozenset({parse_ip("10.0.1.2")}))
+
+
+def test_socks5_port_is_a_self_call_only_with_socks5_on(state: State) -> None:
+    """Rust proxy_to: a loopback destination on a port of cfg.illegal_ports is SelfCall, and
+    construct_config adds 15080 to them with UNSTABLE_ENABLE_SOCKS5."""
+    dst = SocketAddr.parse("127.0.0.1:15080")
+    assert decide_outbound(state, None, dst).kind is RouteKind.PASSTHROUGH
+    with pytest.raises(SelfCallError):
+        decide_outbound(state, None, dst, illegal_ports=Config(socks5=True).illegal_ports)
 
 
 def test_other_pods_port_15008_is_not_a_self_call(state: State) -> None:
