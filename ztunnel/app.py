@@ -475,17 +475,17 @@ def _updater(state: State, secrets: SecretManager, node: str) -> StateUpdater:
         """Applies xDS to the state and prefetches certificates for this node's HBONE workloads."""
 
         def __init__(self, state: State, secrets: SecretManager, node: str) -> None:
-            super().__init__(state)
+            super().__init__(state, local_node=node)
             self.secrets = secrets
             self.node = node
 
         def upsert_workload(self, workload: Workload) -> None:
             super().upsert_workload(workload)
-            if (
-                self.node
-                and workload.node == self.node
-                and (workload.protocol is TunnelProtocol.HBONE or workload.native_tunnel)
-            ):
+            if self.node and workload.node == self.node:
+                self.local_workload_upserted(workload)
+
+        def local_workload_upserted(self, workload: Workload) -> None:
+            if workload.protocol is TunnelProtocol.HBONE or workload.native_tunnel:
                 self.secrets.prefetch(workload.identity)
 
         def remove_address(self, name: str) -> None:

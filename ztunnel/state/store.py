@@ -76,6 +76,7 @@ from ztunnel.state.records import (
     W_SERVICES,
     W_STATUS,
     W_TUNNEL,
+    W_UID,
     decode_service,
     decode_workload,
     service_from_tuple,
@@ -647,6 +648,7 @@ class State:
             self._cur["strid"].put(_skey(s), pack_i(i) + pack_i(0))
             self._cur["str"].put(pack_i(i), s.encode())
             self._ids[s] = i
+            self._str_delta[i] += 0  # (seen at commit: dropped there if nothing holds it)
         return i
 
     def _hold(self, ids: Iterable[int]) -> None:
@@ -708,19 +710,35 @@ class State:
         raw = self._cur["wluid"].get(_skey(uid))
         return None if raw is None else unpack_q(raw)[0]
 
+    @property
+    def interner(self) -> Callable[[str], int]:
+        """The writer's string table: a string's id, adding it (what records are built with,
+        e.g. ``xds.convert.workload_record``). A string nothing holds at commit is dropped."""
+        return self._intern
+
     def upsert_workload(self, w: Workload) -> None:
-        _check_name("workload uid", w.uid)
-        _check_name("workload name", w.name)
         _check_name("workload hostname", w.hostname)
         for key in w.services:
             _check_name("service key", key)
+        with self._batch:
+            self.upsert_workload_record(workload_tuple(w, self._intern))
+            wid = self._changes[-1].ref
+            if len(self._wls) >= _CACHE_WORKLOADS:
+                self._wls.clear()
+            self._wls[wid] = w  # (the caller's object: no decode for its next lookup)
+
+    def upsert_workload_record(self, t: tuple[Any, ...]) -> None:
+        """A workload as its record, built with :attr:`interner` (``records.workload_tuple``,
+        or straight from xDS)."""
+        _check_name("workload uid", t[W_UID])
+        _check_name("workload name", t[W_NAME])
         with self._batch:
             c = self._cur["wl"]
             # A new uid (the common case: a snapshot) is one write; a known one, one failed
             # write that leaves the cursor on its id.
             by_uid = self._cur["wluid"]
             wid = self._counters["wid"] + 1
-            if by_uid.put(_skey(w.uid), pack_q(wid), overwrite=False):
+            if by_uid.put(_skey(t[W_UID]), pack_q(wid), overwrite=False):
                 self._counters["wid"] = wid
             else:
                 wid = unpack_q(by_uid.value())[0]
@@ -729,15 +747,12 @@ class State:
                 old = marshal.loads(raw[8:])
                 self._unindex_workload(old, wid, unpack_q(raw)[0])
                 self._release(workload_ids(old))
+                self._wls.pop(wid, None)
             seq = self._next("seq")
-            t = workload_tuple(w, self._intern)
             self._hold(workload_ids(t))
             c.put(pack_q(wid), pack_q(seq) + marshal.dumps(t))
             self._index_workload(t, wid, seq)
-            if len(self._wls) >= _CACHE_WORKLOADS:
-                self._wls.clear()
-            self._wls[wid] = w
-            self._changes.append(StateChange(ChangeKind.WORKLOAD, w.uid, False, wid))
+            self._changes.append(StateChange(ChangeKind.WORKLOAD, t[W_UID], False, wid))
 
     def remove_workload(self, uid: str) -> Workload | None:
         if len(uid.encode()) > MAX_NAME_BYTES:

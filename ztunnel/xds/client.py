@@ -56,10 +56,13 @@ from ztunnel.xds.convert import (
     ADDRESS_TYPE_URL,
     AUTHORIZATION_TYPE_URL,
     ConversionError,
-    decode_address,
     decode_authorization,
+    parse_address,
+    service_from_proto,
+    workload_record,
 )
 from ztunnel.xds.protos import discovery_pb2 as ds
+from ztunnel.xds.protos import workload_pb2 as wl_pb
 from ztunnel.xds.wire import (
     MAX_RESOURCE_BYTES,
     LazyDeltaResponse,
@@ -124,6 +127,8 @@ class XdsHandler(Protocol):
 
     def upsert_workload(self, workload: Workload) -> None: ...
 
+    def upsert_workload_proto(self, pb: wl_pb.Workload) -> None: ...
+
     def upsert_service(self, service: Service) -> None: ...
 
     def remove_address(self, name: str) -> None: ...
@@ -143,8 +148,9 @@ class StateUpdater:
     first; otherwise, if it has the ``namespace/hostname`` shape, a service key.
     """
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, local_node: str = "") -> None:
         self.state = state
+        self.local_node = local_node  # this node's name: see local_workload_upserted
 
     def batch(self) -> AbstractContextManager[None]:
         return self.state.batch()
@@ -160,6 +166,22 @@ class StateUpdater:
 
     def upsert_workload(self, workload: Workload) -> None:
         self.state.upsert_workload(workload)
+
+    def upsert_workload_proto(self, pb: wl_pb.Workload) -> None:
+        """A workload from xDS, stored from its protobuf without a model object in between
+        (``convert.workload_record``); a workload on ``local_node`` is then passed to
+        :meth:`local_workload_upserted`."""
+        state = self.state
+        record = workload_record(pb, state.interner)
+        state.upsert_workload_record(record)
+        if self.local_node and pb.node == self.local_node:
+            w = state.find_workload_by_uid(pb.uid)
+            if w is not None:
+                self.local_workload_upserted(w)
+
+    def local_workload_upserted(self, workload: Workload) -> None:
+        """A hook: a workload scheduled on ``local_node`` was added or changed."""
+        return None
 
     def upsert_service(self, service: Service) -> None:
         self.state.upsert_service(service)
@@ -525,11 +547,14 @@ class AdsClient:
     # -- responses ------------------------------------------------------------------------------
 
     def _apply_address(self, name: str, data: bytes) -> None:
-        obj = decode_address(data)
-        if isinstance(obj, Workload):
-            self._handler.upsert_workload(obj)
+        pb = parse_address(data)
+        which = pb.WhichOneof("type")
+        if which == "workload":
+            self._handler.upsert_workload_proto(pb.workload)
+        elif which == "service":
+            self._handler.upsert_service(service_from_proto(pb.service))
         else:
-            self._handler.upsert_service(obj)
+            raise ConversionError("address.type", "neither workload nor service is set")
 
     def _apply_authorization(self, name: str, data: bytes) -> None:
         # Keyed by the resource name, as Rust's policy store is (a removal names it).

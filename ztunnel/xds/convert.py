@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
 from ztunnel.core.addr import IPAddr, IPNet
 from ztunnel.state.model import (
-    ApplicationTunnel,
     AppProtocol,
     AppTunnelProtocol,
     Authorization,
@@ -70,6 +69,7 @@ from ztunnel.state.model import (
     WorkloadStatus,
     WorkloadType,
 )
+from ztunnel.state.records import workload_from_tuple
 from ztunnel.xds.protos import authorization_pb2 as authz_pb
 from ztunnel.xds.protos import workload_pb2 as wl_pb
 
@@ -207,84 +207,124 @@ def _by_value(cls: type[_E]) -> dict[int, _E]:
 _PROTOCOLS = _by_value(TunnelProtocol)
 _STATUSES = _by_value(WorkloadStatus)
 _NETWORK_MODES = _by_value(NetworkMode)
+_APP_TUNNEL_PROTOCOLS = _by_value(AppTunnelProtocol)
 _WORKLOAD_TYPE_NAMES = {t.value: t.name.lower() for t in WorkloadType}
-_NO_LOCALITY = Locality()
+
+Intern = Callable[[str], int]
 
 
-def workload_from_proto(pb: wl_pb.Workload, field: str = "workload") -> Workload:
-    """Convert an ``istio.workload.Workload``; its xDS name is its ``uid``.
+def _gateway_record(pb: wl_pb.GatewayAddress, field: str, intern: Intern) -> tuple[Any, ...]:
+    """:func:`_gateway`'s checks, as a record's gateway tuple (``state/records.py``)."""
+    port = pb.hbone_mtls_port
+    if not 0 <= port <= 65535:
+        _port(port, f"{field}.hbone_mtls_port")
+    which = pb.WhichOneof("destination")
+    if which == "address":
+        addr = pb.address
+        raw = addr.address
+        if len(raw) != 4 and len(raw) != 16:
+            _ip(raw, f"{field}.address.address")
+        return (0, intern(addr.network), raw, port)
+    if which == "hostname":
+        h = pb.hostname
+        return (1, intern(h.namespace), intern(h.hostname), port)
+    raise ConversionError(field, "gateway address has no destination (want hostname or address)")
 
-    On the path of every workload of a snapshot: error paths (the dotted field names) are
-    built only when a value is bad."""
+
+def workload_record(pb: wl_pb.Workload, intern: Intern, field: str = "workload") -> tuple[Any, ...]:
+    """An ``istio.workload.Workload`` as the state store's record (``state/records.py``'s
+    layout; its xDS name is its ``uid``), checked as Rust converts it: the one conversion of a
+    workload (:func:`workload_from_proto` decodes what this makes).
+
+    On the path of every workload of a snapshot, so it goes from the protobuf to the record's
+    ints and bytes directly: every check comes before the first string is interned, and an
+    error's field path is built only when a value is bad."""
     if not pb.uid:
         raise ConversionError(f"{field}.uid", "empty (the uid is the resource's key)")
     proto = pb.tunnel_protocol
     if proto == _LEGACY_ISTIO_MTLS:
         raise ConversionError(f"{field}.tunnel_protocol", "LEGACY_ISTIO_MTLS is not supported")
-    protocol = _PROTOCOLS.get(proto) or _enum(TunnelProtocol, proto, f"{field}.tunnel_protocol")
-    raw_addrs = pb.addresses
-    if len(raw_addrs) == 1 and len(raw_addrs[0]) == 4:  # (the usual pod)
-        addresses: tuple[IPAddr, ...] = (ipaddress.IPv4Address(raw_addrs[0]),)
-    else:
-        addresses = tuple(_ip(a, f"{field}.addresses[{i}]") for i, a in enumerate(raw_addrs))
-    waypoint = _gateway(pb.waypoint, f"{field}.waypoint") if pb.HasField("waypoint") else None
-    network_gateway = (
-        _gateway(pb.network_gateway, f"{field}.network_gateway")
-        if pb.HasField("network_gateway")
-        else None
-    )
-    app_tunnel = None
+    if proto not in _PROTOCOLS:
+        _enum(TunnelProtocol, proto, f"{field}.tunnel_protocol")
+    raw_addrs = tuple(pb.addresses)  # Rust byte_to_ip: 4 or 16 bytes; IPv4-mapped stays IPv6
+    for i, a in enumerate(raw_addrs):
+        if len(a) != 4 and len(a) != 16:
+            _ip(a, f"{field}.addresses[{i}]")
+    tunnel: tuple[int, int | None] | None = None
     if pb.HasField("application_tunnel"):
         at = pb.application_tunnel
-        app_tunnel = ApplicationTunnel(
-            protocol=_enum(AppTunnelProtocol, at.protocol, f"{field}.application_tunnel.protocol"),
-            port=_port(at.port, f"{field}.application_tunnel.port") or None,
-        )
-    services: dict[str, dict[int, int]] = {}
+        tp = _enum(AppTunnelProtocol, at.protocol, f"{field}.application_tunnel.protocol")
+        tunnel = (tp.value, _port(at.port, f"{field}.application_tunnel.port") or None)
     pb_services = pb.services
+    services: list[tuple[str, tuple[tuple[int, int], ...]]] = []
     if pb_services:
         for key in sorted(pb_services):  # sorted: deterministic errors and dict order
             if "/" not in key:
                 raise ConversionError(
                     f"{field}.services[{key!r}]", "service key must be <namespace>/<hostname>"
                 )
-            services[key] = _port_map(pb_services[key], f"{field}.services[{key!r}]")
-    locality = _NO_LOCALITY
+            ports = _port_map(pb_services[key], f"{field}.services[{key!r}]")
+            services.append((key, tuple(ports.items())))
+    status = pb.status
+    if status not in _STATUSES:
+        _enum(WorkloadStatus, status, f"{field}.status")
+    mode = pb.network_mode
+    if mode not in _NETWORK_MODES:
+        _enum(NetworkMode, mode, f"{field}.network_mode")
+    has_waypoint, has_gateway = pb.HasField("waypoint"), pb.HasField("network_gateway")
+    if has_waypoint:  # (checked before anything is interned)
+        _gateway(pb.waypoint, f"{field}.waypoint")
+    if has_gateway:
+        _gateway(pb.network_gateway, f"{field}.network_gateway")
+    loc = (0, 0, 0)
     if pb.HasField("locality"):
-        loc = pb.locality
-        locality = Locality(loc.region, loc.zone, loc.subzone)
-    status = _STATUSES.get(pb.status) or _enum(WorkloadStatus, pb.status, f"{field}.status")
-    mode = _NETWORK_MODES.get(pb.network_mode) or _enum(
-        NetworkMode, pb.network_mode, f"{field}.network_mode"
-    )
-    return Workload(
-        uid=pb.uid,
-        name=pb.name,
-        namespace=pb.namespace,
-        addresses=addresses,
-        hostname=pb.hostname,
-        network=pb.network,
-        protocol=protocol,
-        trust_domain=pb.trust_domain or DEFAULT_TRUST_DOMAIN,
-        service_account=pb.service_account or DEFAULT_SERVICE_ACCOUNT,
-        waypoint=waypoint,
-        network_gateway=network_gateway,
-        node=pb.node,
-        canonical_name=pb.canonical_name,
-        canonical_revision=pb.canonical_revision,
+        lo = pb.locality
+        loc = (intern(lo.region), intern(lo.zone), intern(lo.subzone))
+    return (
+        pb.uid,
+        pb.name,
+        intern(pb.namespace),
+        raw_addrs,
+        intern(pb.hostname),
+        intern(pb.network),
+        proto,
+        intern(pb.trust_domain or DEFAULT_TRUST_DOMAIN),
+        intern(pb.service_account or DEFAULT_SERVICE_ACCOUNT),
+        _gateway_record(pb.waypoint, f"{field}.waypoint", intern) if has_waypoint else None,
+        _gateway_record(pb.network_gateway, f"{field}.network_gateway", intern)
+        if has_gateway
+        else None,
+        intern(pb.node),
+        intern(pb.canonical_name),
+        intern(pb.canonical_revision),
         # Rust: resource.workload_type().as_str_name().to_lowercase() (unknown: deployment)
-        workload_type=_WORKLOAD_TYPE_NAMES.get(pb.workload_type, "deployment"),
-        workload_name=pb.workload_name,
-        native_tunnel=pb.native_tunnel,
-        application_tunnel=app_tunnel,
-        services=services,
-        authorization_policies=tuple(pb.authorization_policies),
-        status=status,
-        cluster_id=pb.cluster_id or DEFAULT_CLUSTER_ID,
-        locality=locality,
-        network_mode=mode,
-        capacity=pb.capacity.value if pb.HasField("capacity") else DEFAULT_CAPACITY,
+        intern(_WORKLOAD_TYPE_NAMES.get(pb.workload_type, "deployment")),
+        intern(pb.workload_name),
+        pb.native_tunnel,
+        tunnel,
+        tuple([(intern(k), ports) for k, ports in services]),
+        tuple([intern(p) for p in pb.authorization_policies]),
+        status,
+        intern(pb.cluster_id or DEFAULT_CLUSTER_ID),
+        loc,
+        mode,
+        pb.capacity.value if pb.HasField("capacity") else DEFAULT_CAPACITY,
     )
+
+
+def workload_from_proto(pb: wl_pb.Workload, field: str = "workload") -> Workload:
+    """Convert an ``istio.workload.Workload``; its xDS name is its ``uid``."""
+    table: dict[str, int] = {"": 0}
+    strings = [""]
+
+    def intern(s: str) -> int:
+        i = table.get(s)
+        if i is None:
+            i = table[s] = len(strings)
+            strings.append(s)
+        return i
+
+    return workload_from_tuple(workload_record(pb, intern, field), strings.__getitem__, {})
 
 
 # --- Service ---------------------------------------------------------------------------------
@@ -366,6 +406,15 @@ def address_from_proto(pb: wl_pb.Address) -> Workload | Service:
     if which == "service":
         return service_from_proto(pb.service)
     raise ConversionError("address.type", "neither workload nor service is set")
+
+
+def parse_address(data: bytes) -> wl_pb.Address:
+    """Parse the bytes of an ``istio.workload.Address`` resource."""
+    try:
+        pb: wl_pb.Address = wl_pb.Address.FromString(data)
+    except DecodeError as e:
+        raise ConversionError("address", f"cannot decode istio.workload.Address: {e}") from None
+    return pb
 
 
 def decode_address(data: bytes) -> Workload | Service:

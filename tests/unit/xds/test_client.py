@@ -319,10 +319,10 @@ async def test_nack_names_bad_resources_and_applies_the_good_ones() -> None:
 
 async def test_handler_exception_rejects_only_that_resource() -> None:
     class Picky(StateUpdater):
-        def upsert_workload(self, workload: Workload) -> None:
-            if workload.name == "boom":
+        def upsert_workload_proto(self, pb: wl_pb.Workload) -> None:
+            if pb.name == "boom":
                 raise RuntimeError("handler refused")
-            super().upsert_workload(workload)
+            super().upsert_workload_proto(pb)
 
     async with FakeIstiod() as istiod:
         state = State()

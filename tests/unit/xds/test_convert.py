@@ -596,3 +596,43 @@ def test_ca_messages_field_numbers() -> None:
     assert req.SerializeToString(deterministic=True) == s(1, "CSR") + vi(3, 86400) + ld(4, meta)
     resp = ca_pb2.IstioCertificateResponse.FromString(s(1, "leaf") + s(1, "root"))
     assert list(resp.cert_chain) == ["leaf", "root"]
+
+
+# --- the record (what the state store keeps), straight from the protobuf ---------------------
+
+
+def test_the_record_from_xds_is_the_one_the_store_makes_of_the_workload() -> None:
+    """``workload_record`` builds the store's record from the protobuf directly (the snapshot's
+    hot path); ``records.workload_tuple`` builds it from a model object (a local config). Both
+    must give the same tuple, position for position."""
+    from ztunnel.state.records import workload_tuple
+    from ztunnel.xds.convert import workload_record
+    from ztunnel.xds.protos import workload_pb2 as wl_pb
+
+    table: dict[str, int] = {"": 0}
+
+    def intern(text: str) -> int:
+        return table.setdefault(text, len(table))
+
+    for raw in (FULL_WORKLOAD, workload_address(s(20, "uid-1"), s(1, "a"), s(2, "ns"))):
+        pb = wl_pb.Address.FromString(raw).workload
+        w = decode_address(raw)
+        assert isinstance(w, Workload)
+        assert workload_record(pb, intern) == workload_tuple(w, intern)
+
+
+def test_a_rejected_workload_leaves_no_string_in_the_store() -> None:
+    """Every check comes before the first string is interned; and a string interned for a
+    record that is never stored is dropped at commit."""
+    from ztunnel.state.store import State
+    from ztunnel.xds.convert import workload_record
+    from ztunnel.xds.protos import workload_pb2 as wl_pb
+
+    st = State()
+    bad = wl_pb.Workload(uid="u", name="n", namespace="some-namespace", status=99)
+    with pytest.raises(ConversionError, match="status"), st.batch():
+        workload_record(bad, st.interner)
+    assert st.counts()["strings"] == 1  # (the empty string, always there)
+    with st.batch():
+        st.interner("interned-but-never-stored")
+    assert st.counts()["strings"] == 1
