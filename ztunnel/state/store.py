@@ -29,6 +29,7 @@ import asyncio
 import bisect
 import contextlib
 import enum
+import functools
 import hashlib
 import ipaddress
 import marshal
@@ -1600,25 +1601,34 @@ class State:
 
     def put_version(self, type_url: str, name: str, version: str) -> None:
         """Inside the batch that applied it: the version of an xDS resource now held."""
-        if len(name.encode()) > MAX_NAME_BYTES:
+        key = name.encode()
+        if len(key) > MAX_NAME_BYTES:
+            return
+        if self._depth:  # (the xDS client's case: once per resource of a response)
+            self._cur["ver"].put(_type_prefix(type_url) + key, version.encode())
             return
         with self._batch:
-            self._cur["ver"].put(_lp(type_url) + name.encode(), version.encode())
+            self._cur["ver"].put(_type_prefix(type_url) + key, version.encode())
 
     def drop_version(self, type_url: str, name: str) -> None:
         if len(name.encode()) > MAX_NAME_BYTES:
             return
         with self._batch:
             c = self._cur["ver"]
-            if c.set_key(_lp(type_url) + name.encode()):
+            if c.set_key(_type_prefix(type_url) + name.encode()):
                 c.delete()
 
     def versions(self, type_url: str) -> Iterator[tuple[str, str]]:
         """The (name, version) of every resource of ``type_url`` held."""
-        prefix = _lp(type_url)
+        prefix = _type_prefix(type_url)
         n = len(prefix)
         for k, v in list(prefix_scan(self._cur["ver"], prefix)):
             yield bytes(k[n:]).decode(), bytes(v).decode()
+
+
+@functools.lru_cache(maxsize=16)
+def _type_prefix(type_url: str) -> bytes:
+    return _lp(type_url)
 
 
 def _list_add(cursor: Any, key: bytes, item: bytes) -> None:
