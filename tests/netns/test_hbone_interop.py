@@ -3,6 +3,8 @@
 * Node as the HBONE **client** (``interop/hbone_client.js``, on an external host): mTLS 1.3 with
   a certificate from the shared local CA, ALPN h2, ``CONNECT`` with ``:authority = podIP:port``
   to ztunnel-b's 15008, data both ways with half-close, checksums on both ends.
+* Node as a busy legal client (``interop/hbone_churn.js``): up to the advertised 200 streams open
+  at once, each replaced as soon as it closes; none may be refused.
 * Node as the HBONE **server** (``interop/hbone_server.js``, in pod e on 15008 where a ztunnel
   would be): ztunnel-a tunnels pod a's app traffic to it; it checks what ztunnel sends (only
   ``:method``/``:authority`` pseudo-headers, the SPIFFE client certificate, TLS 1.3, h2, the
@@ -194,6 +196,38 @@ def test_node_client_gets_ztunnel_status_codes(bed: Bed) -> None:
         assert node_client(bed, b.ip4, f"{b.ip4}:9999", send=0)["status"] == 503
         assert node_client(bed, b.ip4, f"{bed.m.a.ip4}:9999", send=0)["status"] == 400
         assert node_client(bed, b.ip4, f"{b.ip4}:15008", send=0)["status"] == 503
+
+
+def test_node_client_churning_at_the_stream_limit_is_never_refused(bed: Bed) -> None:
+    """A legal client that keeps up to the advertised 200 streams open and opens the next as
+    soon as one closes gets none refused: only open and half-closed streams count against
+    SETTINGS_MAX_CONCURRENT_STREAMS (RFC 9113 5.1.2; Rust's h2 ``Counts`` frees the slot when
+    the stream closes), whatever work the server still does for closed ones."""
+    b = bed.m.b
+    echo = start_app(b, "echo", ports=(9305,))
+    total = 3000
+    cfg = {
+        "host": b.ip4,
+        "port": 15008,
+        "authority": f"{b.ip4}:9305",
+        "cert": str(bed.client_files.cert),
+        "key": str(bed.client_files.key),
+        "ca": str(bed.client_files.ca),
+        "concurrency": 200,
+        "total": total,
+        "timeoutSeconds": 50,
+    }
+    with no_leaks(bed.m.ztb):
+        proc = bed.ext.run(bed.node, str(INTEROP / "hbone_churn.js"), json.dumps(cfg), check=False)
+    echo.stop()
+    lines = [ln for ln in proc.stdout.split("\n") if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, (proc.returncode, proc.stdout, proc.stderr)
+    out = json.loads(lines[-1])
+    print(f"[churn] {out}")
+    assert out["remoteMaxStreams"] == 200
+    assert out["maxOpen"] == 200
+    assert (out["refused"], out["resets"], out["statuses"], out["badEcho"]) == (0, {}, {}, 0), out
+    assert out["ok"] == total
 
 
 # --- ztunnel -> node server ------------------------------------------------------------------

@@ -53,10 +53,13 @@ connection ends with GOAWAY ENHANCE_YOUR_CALM. A budget is one integer decrement
 clock is read only when one runs out. A header block may have at most ``max_continuations``
 CONTINUATION frames and a bounded size (CVE-2024-27316); a SETTINGS frame is applied in one pass
 (an INITIAL_WINDOW_SIZE change touches each stream once, whatever the number of entries) and may
-carry at most ``max_settings_entries``. With ``hold_streams=True`` a peer-initiated stream keeps
-counting against MAX_CONCURRENT_STREAMS, and the bytes received on it against the connection
-window, until the application calls :meth:`H2Connection.release_stream` (its work really ended),
-however early the peer reset it.
+carry at most ``max_settings_entries``. Only open and half-closed streams count against
+MAX_CONCURRENT_STREAMS (RFC 9113 5.1.2), so a peer within the limit is never refused. With
+``hold_streams=True`` a peer-initiated stream closed on the wire (ended or reset, however early)
+whose work the application has not finished yet (:meth:`H2Connection.release_stream`) is *held*:
+the bytes received on it stay owed to the connection window, and the held streams have a budget
+of their own (``held_streams``): a new stream arriving while it is spent ends the connection with
+ENHANCE_YOUR_CALM, so resets cannot multiply the work a connection causes.
 """
 
 from __future__ import annotations
@@ -339,6 +342,9 @@ class FloodLimits:
     window_updates: int = 10_000  # WINDOW_UPDATE frames
     empty_frames: int = 100  # DATA without payload or END_STREAM, empty header fragments
     early_resets: int = 200  # peer streams reset before we answered them (rapid reset)
+    # Peer streams closed on the wire whose work goes on (hold_streams): not a rate, a level. Twice
+    # the default stream limit, so that a peer turning all its streams over at once is within it.
+    held_streams: int = 400
     max_continuations: int = 32  # CONTINUATION frames in one header block
     max_settings_entries: int = 32  # entries in one SETTINGS frame (nghttp2's default)
 
@@ -1102,10 +1108,11 @@ class H2Connection:
             st.recv_pending = p
 
     def release_stream(self, stream_id: int) -> None:
-        """``hold_streams``: the application's work for a peer stream has ended. Until now the
-        stream counted against MAX_CONCURRENT_STREAMS (even once closed) and the bytes delivered
-        on it against the connection window; both are returned. The stream itself is left as it
-        is (close or reset it first). Unknown or already released streams are ignored."""
+        """``hold_streams``: the application's work for a peer stream has ended. Once closed on
+        the wire, the stream was held until now (counted against ``held_streams``, and the
+        bytes delivered on it against the connection window); both are returned. The stream
+        itself is left as it is (close or reset it first). Unknown or already released streams
+        are ignored."""
         st = self._streams.get(stream_id)
         if st is not None:
             st.held = False
@@ -1129,7 +1136,7 @@ class H2Connection:
 
     @property
     def held_streams(self) -> int:
-        """Closed peer streams not yet released (``hold_streams``)."""
+        """Peer streams closed on the wire and not yet released (``hold_streams``)."""
         return len(self._held)
 
     def ping(self, opaque: bytes | None = None) -> bytes:
@@ -1782,9 +1789,15 @@ class H2Connection:
             self._remember_closed(sid, _RESET_LOCAL)
             return
         limit = self._local.max_concurrent_streams
-        # Streams closed but not released (hold_streams) still count: their work goes on.
+        if len(self._held) >= self._limits.held_streams:
+            # Streams closed on the wire whose work goes on do not count against the peer's
+            # concurrency (RFC 9113 5.1.2), but against this budget of their own.
+            raise RemoteProtocolError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"flood: more than {self._limits.held_streams} closed streams still at work",
+            )
         if (self._goaway_sent and sid > self._goaway_last) or (
-            limit is not None and self._remote_open + len(self._held) >= limit
+            limit is not None and self._remote_open >= limit
         ):
             self._spend_control()  # a reply we queue for nothing
             self._out.append(rst(_RST_LT, 0, sid, ErrorCode.REFUSED_STREAM))

@@ -1572,30 +1572,60 @@ def test_resets_after_the_response_are_not_rapid_resets() -> None:
     assert not s.closed
 
 
-def test_held_streams_count_until_released() -> None:
-    # Attack 2: a stream reset by the peer keeps counting against MAX_CONCURRENT_STREAMS until
-    # the application's work for it ended (release_stream), so resets cannot multiply work.
+def test_closed_streams_still_at_work_do_not_count_against_the_stream_limit() -> None:
+    # RFC 9113 5.1.2: only open and half-closed streams count against MAX_CONCURRENT_STREAMS.
+    # A stream closed on the wire (ended both ways, or reset) whose work goes on is held, but a
+    # peer within the limit is never refused (Rust h2 ``Counts::transition_after`` frees the
+    # slot when the stream closes, whatever its handles).
     s, enc = raw_server(max_concurrent_streams=3, hold_streams=True)
     for sid in (1, 3, 5):
         assert of(
             s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc))),
             RequestReceived,
         )
-        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
-    assert s.open_streams == 0 and s.held_streams == 3
     s.data_to_send()
+    # One more than the limit while three are open: refused (REFUSED_STREAM).
     assert not of(
         s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 7, connect_block(enc))), RequestReceived
     )
     assert rst_codes(s) == {7: ErrorCode.REFUSED_STREAM}
+    s.receive_data(frame(RST_STREAM, 0, 1, struct.pack(">I", ErrorCode.CANCEL)))
+    s.send_response(3, 200)
+    s.send_data(3, b"", end_stream=True)
+    s.receive_data(frame(DATA, FLAG_END_STREAM, 3))
+    assert s.open_streams == 1 and s.held_streams == 2
+    s.data_to_send()
+    for sid in (9, 11):  # two slots are free on the wire: both are served
+        assert of(
+            s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc))),
+            RequestReceived,
+        )
+    assert rst_codes(s) == {}
     s.release_stream(1)
-    assert s.held_streams == 2
-    assert of(
-        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 9, connect_block(enc))), RequestReceived
-    )
+    assert s.held_streams == 1
     s.release_stream(1)  # twice: ignored
     s.release_stream(12345)  # unknown: ignored
-    assert s.held_streams == 2
+    assert s.held_streams == 1
+
+
+def test_held_streams_have_a_budget_of_their_own() -> None:
+    # Rapid reset against slow work: the streams reset on the wire are held while their work
+    # goes on; a new stream arriving while the held budget is spent ends the connection
+    # (ENHANCE_YOUR_CALM, as nghttp2 and Envoy answer abusive resets), so the work a
+    # connection causes stays within max_concurrent_streams + held_streams.
+    limits = h2mod.FloodLimits(held_streams=4, early_resets=1000, control_frames=10_000)
+    s, enc = raw_server(limits=limits, hold_streams=True)
+    for sid in (1, 3, 5, 7):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
+    assert s.held_streams == 4 and not s.closed
+    s.release_stream(1)  # work ended: room for one more
+    s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 9, connect_block(enc)))
+    s.receive_data(frame(RST_STREAM, 0, 9, struct.pack(">I", ErrorCode.CANCEL)))
+    s.data_to_send()
+    expect_conn_error(
+        s, frame(HEADERS, FLAG_END_HEADERS, 11, connect_block(enc)), ErrorCode.ENHANCE_YOUR_CALM
+    )
 
 
 def test_without_hold_streams_a_reset_frees_the_slot() -> None:
