@@ -55,6 +55,7 @@ NODE_CLIENT = Identity(TRUST_DOMAIN, "default", "node-client")
 SA_B = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-b"
 SA_A = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-a"
 SA_E = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-e"
+REFUSED_ONCE = 9316  # the node server refuses the first stream to pod e on this port
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def bed(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         extra_env={"POOL_UNUSED_RELEASE_TIMEOUT": "200ms"}, extra_pods=extra, external=True
     ) as m:
         client_files = write_cert_files(m.ca.issue(NODE_CLIENT), certs, "node-client")
-        server = start_server(m.pods["e"], m.ca, "sa-e", certs)
+        e = m.pods["e"]
+        server = start_server(e, m.ca, "sa-e", certs, refuseOnce=[f"{e.ip4}:{REFUSED_ONCE}"])
         # Warm up: both ztunnels fetch their certificates (and start renewal timers) now, so
         # the per-test baselines are steady.
         echo = start_app(m.b, "echo", ports=(9300,))
@@ -300,3 +302,25 @@ def test_ztunnel_client_to_node_server_refused(bed: Bed) -> None:
         start=since,
     )
     assert rec["dst.hbone_addr"] == f"{e.ip4}:9999"
+
+
+def test_ztunnel_client_retries_a_refused_stream_on_another_connection(bed: Bed) -> None:
+    """node resets the first CONNECT to e:9316 with REFUSED_STREAM (nothing was processed, RFC
+    9113 8.7): ztunnel-a tries it again on another HBONE connection, and the app's TCP
+    connection goes through as if nothing happened."""
+    e, a = bed.e, bed.m.a
+    target = f"{e.ip4}:{REFUSED_ONCE}"
+    echo = start_app(e, "echo", ports=(REFUSED_ONCE,))
+    since = len(bed.m.zta.records)
+    with no_leaks(bed.m.zta):
+        assert echo_roundtrip(a, e.ip4, REFUSED_ONCE, b"retried\n") == b"retried\n"
+    echo.stop()
+    refused = server_event(bed, lambda ev: ev["event"] == "refused" and ev["authority"] == target)
+    served = server_event(bed, lambda ev: ev["event"] == "request" and ev["authority"] == target)
+    assert served["client"] != refused["client"]  # another HTTP/2 connection
+    rec = bed.m.zta.wait_for(
+        lambda r: r.get("message") == "connection complete" and r.get("dst.hbone_addr") == target,
+        start=since,
+    )
+    assert "error" not in rec, rec
+    assert rec["bytes_sent"] == rec["bytes_recv"] == len(b"retried\n")

@@ -154,6 +154,12 @@ class ConnectionLost(HboneError):
     pass
 
 
+class StreamRefused(HboneError):
+    """The stream was not processed: the peer refused it (RST_STREAM REFUSED_STREAM, or it was
+    above the last stream id of a GOAWAY), or it was never sent (the connection had closed or
+    had no stream left). Safe to retry on another connection (RFC 9113 8.7)."""
+
+
 class AlpnRefused(HboneError):
     """The client offered ALPN without ``h2`` (refused with no_application_protocol, as rustls)."""
 
@@ -874,9 +880,12 @@ class HboneConnection:
             elif isinstance(ev, h2.StreamReset):
                 fut = self._responses.pop(ev.stream_id, None)
                 if fut is not None and not fut.done():
-                    fut.set_exception(
-                        HboneError(f"stream reset before response, code {ev.error_code}")
+                    cls = (
+                        StreamRefused
+                        if ev.error_code == h2.ErrorCode.REFUSED_STREAM
+                        else HboneError
                     )
+                    fut.set_exception(cls(f"stream reset before response, code {ev.error_code}"))
                 if (b := self._bridges.get(ev.stream_id)) is not None:
                     b.on_reset(ev.error_code)
                 elif (early := self._early.get(ev.stream_id)) is not None:
@@ -1021,13 +1030,19 @@ class HboneConnection:
     async def open_stream(
         self, authority: str, headers: h2.Headers, *, reserved: bool = False
     ) -> tuple[int, h2.ResponseReceived]:
-        """Client side: send CONNECT and wait for the response headers.
+        """Client side: send CONNECT and wait for the response headers. Raises
+        :class:`StreamRefused` when the stream was not processed (retry it elsewhere).
 
         ``reserved``: the caller holds a reservation from the pool, converted into this stream."""
         try:
             if self.closed.done():
-                raise ConnectionLost(f"HBONE connection is closed: {self.error}")
-            sid = self.h2.open_stream(authority, headers)
+                raise StreamRefused(f"HBONE connection is closed: {self.error}")
+            try:
+                sid = self.h2.open_stream(authority, headers)
+            except h2.LocalProtocolError as e:
+                if e.error_code != h2.ErrorCode.REFUSED_STREAM:
+                    raise
+                raise StreamRefused(f"HBONE connection has no stream left: {e}") from None
         finally:
             if reserved:
                 self._reserved -= 1

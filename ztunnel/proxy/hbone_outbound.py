@@ -29,7 +29,7 @@ from ztunnel.hbone.headers import (
     request_headers,
 )
 from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
-from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
+from ztunnel.hbone.transport import HboneConnection, HboneError, StreamRefused, tls_handshake
 from ztunnel.identity.certs import WorkloadCertificate
 from ztunnel.identity.crl import CrlManager
 from ztunnel.identity.manager import CertificateError, CertificateSource
@@ -47,6 +47,10 @@ from ztunnel.proxy.route import Route, RouteKind
 from ztunnel.proxy.sockets import SocketFactory
 
 log = logging.getLogger("ztunnel.proxy.hbone")
+
+# A stream the peer did not process (RST_STREAM REFUSED_STREAM, above a GOAWAY's last stream id)
+# is tried again on another pooled connection (RFC 9113 8.7), at most this many times.
+REFUSED_STREAM_RETRIES = 2
 
 
 class NetworkPolicyError(UpstreamConnectError):
@@ -173,23 +177,31 @@ class HboneConnector:
         assert route.authority is not None
         src_id: Identity = source.identity
         rec.src_identity = src_id
-        try:
-            conn = await self.pool.checkout(
-                WorkloadKey(src_id, route.expected_identities, rec.src.ip, route.target)
-            )
-        except (ProxyError, CertificateError) as e:
-            rec.log_complete(e)
-            return None
+        key = WorkloadKey(src_id, route.expected_identities, rec.src.ip, route.target)
         headers = self._headers(route, rec)
-        try:
-            resp = await self._connect(conn, route, headers, rec, reserved=True)
+        refused: list[HboneConnection] = []  # (a handful at most: REFUSED_STREAM_RETRIES)
+        while True:
+            try:
+                conn = await self.pool.checkout(key, avoid=refused)
+            except (ProxyError, CertificateError) as e:
+                rec.log_complete(e)
+                return None
+            retry = len(refused) < REFUSED_STREAM_RETRIES
+            try:
+                resp = await self._connect(conn, route, headers, rec, reserved=True, retry=retry)
+            except StreamRefused as e:
+                self.pool.stream_done(conn)
+                log.debug("CONNECT to %s not processed (%s): retrying", route.authority, e)
+                refused.append(conn)
+                continue
+            except BaseException:
+                self.pool.stream_done(conn)
+                raise
             if resp is None:
                 self.pool.stream_done(conn)
                 return None
             sid = resp.stream_id
-        except BaseException:
-            self.pool.stream_done(conn)
-            raise
+            break
         if route.kind is not RouteKind.DOUBLE_HBONE:
             rec.dst_identity = _peer(conn)
             return conn, sid
@@ -213,11 +225,19 @@ class HboneConnector:
         rec: ConnectionRecord,
         *,
         reserved: bool = False,
+        retry: bool = False,
     ) -> h2.ResponseReceived | None:
         """Send the CONNECT on ``conn``: the response once the peer answered 200, else None
-        (logged as the connection's outcome, the stream reset or abandoned)."""
+        (logged as the connection's outcome, the stream reset or abandoned). With ``retry``, a
+        stream the peer did not process raises :class:`StreamRefused` instead (nothing logged:
+        the caller tries another connection)."""
         try:
             sid, resp = await conn.open_stream(str(route.authority), headers, reserved=reserved)
+        except StreamRefused as e:
+            if retry:
+                raise
+            rec.log_complete(H2Failure(f"CONNECT to {route.authority} failed: {e}"))
+            return None
         except (HboneError, h2.ProtocolError) as e:
             rec.log_complete(H2Failure(f"CONNECT to {route.authority} failed: {e}"))
             return None
