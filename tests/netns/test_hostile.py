@@ -213,7 +213,8 @@ class RawPeer:
 class Watch:
     """While an attack runs: the honest client's round trips through ztunnel-b (a separate
     process, ``ztunnel.testing.prober``, so the attacker's GIL does not count), and ztunnel-b's
-    RSS and fd count sampled every few ms."""
+    RSS and fd count sampled every few ms, summed over its processes (with workers: the
+    supervisor and every data-plane worker, whichever the attacker's connections landed on)."""
 
     m: Mesh
     honest: WorkloadCertificate
@@ -223,6 +224,7 @@ class Watch:
     median: float = 0.0
     rss: list[int] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -230,17 +232,17 @@ class Watch:
         return self.m.ztb
 
     def _rss(self) -> int:
-        with open(f"/proc/{self.zt.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
+        total = 0
+        for pid in self.pids:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) * 1024
+        return total
 
     def _sample(self) -> None:
         while not self._stop.is_set():
             with contextlib.suppress(OSError):
                 self.rss.append(self._rss())
-                self.fds.append(self.zt.fd_count())
+                self.fds.append(sum(self.zt.fd_count(pid) for pid in self.pids))
             time.sleep(0.005)
 
     @contextlib.contextmanager
@@ -256,6 +258,7 @@ class Watch:
             *("--stop", str(stop)),
             *(() if self.new_streams else ("--new-stream-every", "0")),
         )
+        self.pids = sorted({self.zt.pid, *self.zt.data_plane_pids()})
         base_rss = self._rss()
         sampler = threading.Thread(target=self._sample, daemon=True)
         sampler.start()
