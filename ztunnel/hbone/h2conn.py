@@ -20,7 +20,10 @@ Buffers and their lifetimes
   mutable buffer (bytearray, a memoryview of a reusable buffer), the slice is valid only until that
   buffer is reused. Frame boundaries carry no meaning in HTTP/2, so splitting DATA is invisible to
   the application. Only frame headers and non-DATA frames are ever copied into the connection's
-  own buffer.
+  own buffer, and small DATA payloads: the payloads of complete DATA frames of up to
+  ``COALESCE_MAX`` bytes for one stream within one call are joined into one event (a
+  ``bytearray``), so a peer sending tiny frames costs one event per stream and call, not one per
+  frame. :attr:`H2Connection.frames_received` counts frames, for fairness between peers.
 
 Flow control contract
 ---------------------
@@ -233,7 +236,8 @@ class TrailersReceived(Event):
 
 @dataclass(slots=True)
 class DataReceived(Event):
-    """Payload bytes. ``data`` may be a memoryview slice of the input (see module docstring).
+    """Payload bytes. ``data`` may be a memoryview slice of the input, or a ``bytearray`` of
+    several small payloads of the stream joined (see module docstring).
 
     Pass ``flow_controlled_length`` to ``acknowledge_received_data`` once consumed.
     """
@@ -638,6 +642,9 @@ DEFAULT_SEND_FRAME_SIZE: Final = 64 * 1024
 DEFAULT_SERVER_MAX_STREAMS: Final = 200
 DEFAULT_CLIENT_HEADER_LIST: Final = 16 * 1024
 DEFAULT_SERVER_HEADER_LIST: Final = 64 * 1024
+# DATA payloads up to this size are copied and joined per stream within one receive_data call
+# (cheaper than an event, a slice and an iovec each); larger ones are handed on as slices.
+COALESCE_MAX: Final = 1024
 
 
 class _Stream:
@@ -769,6 +776,9 @@ class H2Connection:
         self._cont_block = bytearray()
         self._cont_flags = 0
         self._cont_self_dep = False
+        self.frames_received = 0  # every frame header parsed (fairness: a peer pays per frame)
+        # Within one receive_data call: stream id -> the event its small DATA payloads join.
+        self._joined: dict[int, DataReceived] = {}
         self._data_remaining = 0  # payload bytes left in the DATA frame being streamed
         self._data_stream: _Stream | None = None  # None: discard the payload
         self._data_end = False
@@ -1199,6 +1209,9 @@ class H2Connection:
             err = RemoteProtocolError(ErrorCode.INTERNAL_ERROR, f"internal error: {exc!r}")
             self._terminate(err, events)
             raise err from exc
+        finally:
+            if self._joined:  # (the events are the caller's now)
+                self._joined.clear()
         return events
 
     def _terminate(self, exc: RemoteProtocolError, events: list[Event]) -> None:
@@ -1248,6 +1261,8 @@ class H2Connection:
                             mv = memoryview(data)
                         chunk = mv[pos : pos + take]
                     st.unacked += take
+                    if self._joined:
+                        self._joined.pop(st.sid, None)  # (later payloads must not join earlier)
                     events.append(DataReceived(st.sid, chunk, take))
                 pos += take
                 rem -= take
@@ -1273,6 +1288,7 @@ class H2Connection:
                     length = lt >> 8
                     ftype = lt & 0xFF
                     sid &= MAX_STREAM_ID
+                    self.frames_received += 1
                     self._check_header(ftype, flags, sid, length)
                     if ftype == DATA and not flags & FLAG_PADDED:
                         buf.clear()
@@ -1308,6 +1324,7 @@ class H2Connection:
                 length = lt >> 8
                 ftype = lt & 0xFF
                 sid &= MAX_STREAM_ID
+                self.frames_received += 1
                 if length > max_frame or self._cont_sid or self._awaiting_settings:
                     self._check_header(ftype, flags, sid, length)
                 end = pos + 9 + length
@@ -1321,7 +1338,12 @@ class H2Connection:
                                 if mv is None:
                                     mv = memoryview(data)
                                 st.unacked += length
-                                events.append(DataReceived(sid, mv[pos + 9 : end], length))
+                                if length <= COALESCE_MAX:
+                                    self._join(sid, mv[pos + 9 : end], length, events)
+                                else:
+                                    if self._joined:
+                                        self._joined.pop(sid, None)
+                                    events.append(DataReceived(sid, mv[pos + 9 : end], length))
                         elif not flags & FLAG_END_STREAM:
                             self._spend_empty()
                         if st is not None and flags & FLAG_END_STREAM:
@@ -1329,6 +1351,8 @@ class H2Connection:
                         pos = end
                         continue
                     # The payload continues in later input: stream it as it arrives.
+                    if self._joined:
+                        self._joined.pop(sid, None)
                     pos += 9
                     self._data_remaining = length
                     self._data_stream = st
@@ -1406,7 +1430,12 @@ class H2Connection:
             return
         if size:
             st.unacked += size
-            events.append(DataReceived(sid, payload[1 : 1 + size], size))
+            if size <= COALESCE_MAX:
+                self._join(sid, payload[1 : 1 + size], size, events)
+            else:
+                if self._joined:
+                    self._joined.pop(sid, None)
+                events.append(DataReceived(sid, payload[1 : 1 + size], size))
         # Padding is flow-controlled but never reaches the app: release it here.
         self._release_conn(length - size)
         if flags & FLAG_END_STREAM:
@@ -1418,6 +1447,19 @@ class H2Connection:
                 st.recv_window += p
                 p = 0
             st.recv_pending = p
+
+    def _join(self, sid: int, chunk: Buffer, n: int, events: list[Event]) -> None:
+        """Deliver a small DATA payload: joined to the stream's event of this call, if any."""
+        ev = self._joined.get(sid)
+        if ev is None:
+            self._joined[sid] = ev = DataReceived(sid, chunk, n)
+            events.append(ev)
+            return
+        data = ev.data
+        if type(data) is not bytearray:
+            data = ev.data = bytearray(data)  # (the first payload, a slice of the input)
+        data += chunk
+        ev.flow_controlled_length += n
 
     def _release_conn(self, n: int) -> None:
         p = self._conn_recv_pending + n

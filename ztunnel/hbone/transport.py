@@ -42,11 +42,14 @@ from ztunnel.net.copy import CopyCounters
 log = logging.getLogger("ztunnel.hbone")
 
 _RECV_SIZE = 256 * 1024
-# A peer whose frames are tiny (more than one HTTP/2 event per 64 bytes of plaintext: 1-byte
-# DATA frames, say) makes each byte cost as much as a frame; such a connection (and a new one,
-# until its input shows large frames) is read this much at a time, one read per callback, so it
-# cannot hold the loop for long (fairness, not a limit).
+# A peer pays for its frames, not only for its bytes: one whose frames are tiny (more than one
+# frame per 64 bytes of plaintext: 1-byte DATA frames, say) makes each byte cost as much as a
+# frame. Such a connection (and a new one, until its input shows large frames) is read this much
+# at a time and parsed one slice of plaintext per turn of the loop, about 400 frames at most
+# (what is left waits in TLS for the next turn), so it cannot hold the loop for long, however
+# many such connections there are (fairness, not a limit: the frames are legal).
 _SMALL_RECV = 16 * 1024
+_SMALL_PLAIN = 4 * 1024
 _PLAIN_SIZE = 512 * 1024
 _TCP_READ = 256 * 1024  # the most a stream reads from its TCP socket at once
 
@@ -133,8 +136,11 @@ def release_scratch() -> None:
 
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
 _CONTROL_BACKLOG = 64 * 1024  # stop reading a peer that left this much of our replies unread
-# Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
-# read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
+# Reads per readiness callback before yielding to other callbacks (call_soon continues: at most
+# one continuation is queued per reader, and a readiness callback that finds one queued leaves
+# the reading to it, so a busy socket gets one turn per loop iteration; before, every iteration
+# of a socket that stayed readable queued one more, and a few busy peers made the loop run
+# dozens of their turns per iteration: tens of ms for everyone else). Readers read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
 # it without telling us, so bytes or an error left unread would strand the connection for good.
 # A short read (fewer bytes than asked for) drained the socket, so instead of a second recv that
 # fails with EAGAIN (a syscall plus an OSError built with a locale-decoded strerror: most of the
@@ -284,6 +290,7 @@ class StreamBridge:
         "_fin_sent",
         "_finished",
         "_h2_eof",
+        "_more_soon",
         "_pending",
         "_reading",
         "_tcp_eof",
@@ -318,6 +325,7 @@ class StreamBridge:
         self._fin_sent = False  # shutdown(SHUT_WR) done on the TCP side
         self._pending: list[_PendingWrite] = []
         self._writer_armed = False
+        self._more_soon = False  # a call_soon continuation of the TCP reader is queued
         self._finished = False
         self._error: BaseException | None = None
         # Resolved with the bridge itself when it finishes (HboneConnection.bridge returns it);
@@ -390,6 +398,14 @@ class StreamBridge:
             self._reading = False
 
     def _on_tcp_readable(self) -> None:
+        if not self._more_soon:  # (else the queued continuation reads, in its turn)
+            self._read_tcp()
+
+    def _on_more(self) -> None:
+        self._more_soon = False
+        self._read_tcp()
+
+    def _read_tcp(self) -> None:
         # Read until EAGAIN, a short read, EOF, an error, or a pause for flow control /
         # back-pressure (which removes the reader, so a later resume registers afresh): see
         # _READ_BATCH.
@@ -441,7 +457,8 @@ class StreamBridge:
                 if (err := _socket_error(sock)) is not None:
                     self.abort(err)
                 return
-        conn.loop.call_soon(self._on_tcp_readable)  # more to read: let others run first
+        self._more_soon = True  # more to read: let others run first
+        conn.loop.call_soon(self._on_more)
 
     def on_window(self) -> None:
         """Send capacity grew: read TCP again (reads never take more than the windows allow)."""
@@ -610,6 +627,8 @@ class HboneConnection:
         # The peer's frames are tiny: read little at a time. Until its input shows otherwise, so
         # that not even the first read of a connection can be 256 KiB of 1-byte frames.
         self._small_reads = True
+        self._tls_backlog = False  # plaintext left in TLS for the next turn (_SMALL_PLAIN)
+        self._more_soon = False  # a call_soon continuation of the reader is queued
         self.protocol_error: h2.RemoteProtocolError | None = None  # why we sent a GOAWAY
         self.loop.add_reader(self.fd, self._on_readable)
         if keepalive:
@@ -706,8 +725,7 @@ class HboneConnection:
         self._writer_armed = False
         self._ctl_backlog = 0
         if self._input_paused:
-            self._input_paused = False
-            self.loop.add_reader(self.fd, self._on_readable)
+            self._resume_input()
         if self._blocked_bridges:
             blocked, self._blocked_bridges = self._blocked_bridges, set()
             for b in blocked:
@@ -716,9 +734,17 @@ class HboneConnection:
     # --- receiving -------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
+        # (paused; or the queued continuation reads, in its turn)
+        if not self._input_paused and not self._more_soon:
+            self._read_turn()
+
+    def _on_more(self) -> None:
+        self._more_soon = False
+        if not self._input_paused:  # (a continuation from before a pause)
+            self._read_turn()
+
+    def _read_turn(self) -> None:
         # Read until EAGAIN (see _READ_BATCH), yielding to other callbacks now and then.
-        if self._input_paused:  # (a call_soon continuation from before the pause)
-            return
         try:
             for _ in range(_READ_BATCH):
                 if not self._read_and_dispatch():
@@ -729,36 +755,53 @@ class HboneConnection:
             log.exception("HBONE connection failed on an internal error")
             self._fail(e)
             return
-        self.loop.call_soon(self._on_readable)
+        self._continue_soon()
+
+    def _continue_soon(self) -> None:
+        if not self._more_soon:
+            self._more_soon = True
+            self.loop.call_soon(self._on_more)
 
     def _pause_input(self) -> None:
         if not self._input_paused:
             self._input_paused = True
             self.loop.remove_reader(self.fd)
 
+    def _resume_input(self) -> None:
+        self._input_paused = False
+        self.loop.add_reader(self.fd, self._on_readable)
+        if self._tls_backlog:  # (the socket may stay quiet: what TLS holds goes on now)
+            self._continue_soon()
+
     def _read_and_dispatch(self) -> bool:
-        """One read; True if the socket may have more (and the connection is still up)."""
+        """One read (or, for a frame-dense peer, one slice of what TLS still holds); True if
+        there may be more (and the connection is still up)."""
         if self._closing:
             return False
         sock = self.sock
         scratch = _scratch  # this thread's buffers
         limit = _SMALL_RECV if self._small_reads else _RECV_SIZE
-        try:
-            n = sock.recv_into(scratch.recv, limit)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as e:
-            self._fail(e)
-            return False
-        if n == 0:
-            self._fail(ConnectionLost("peer closed the connection"))
-            return False
         inbio = self.inbio
-        inbio.write(scratch.recv_view[:n])
+        backlog = self._tls_backlog
+        if backlog:  # the last turn left plaintext in TLS: parse it before reading again
+            self._tls_backlog = False
+            n = limit
+        else:
+            try:
+                n = sock.recv_into(scratch.recv, limit)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as e:
+                self._fail(e)
+                return False
+            if n == 0:
+                self._fail(ConnectionLost("peer closed the connection"))
+                return False
+            inbio.write(scratch.recv_view[:n])
         read = self._tls_read
         pending = self._tls_pending
         plain = scratch.plain_view
-        size = _PLAIN_SIZE
+        size = _SMALL_PLAIN if self._small_reads else _PLAIN_SIZE
         # Decrypt while a whole record may be there: input left in the BIO or plaintext left in
         # OpenSSL. Once complete records are consumed the BIO is empty (a partial record moves
         # into OpenSSL's buffer on the read that raises SSLWantReadError), so a small message
@@ -787,6 +830,9 @@ class HboneConnection:
                 self._feed(plain[:got])
             if got < size or self.closed.done():
                 break
+            if self._small_reads:  # one slice per turn; the rest stays in TLS
+                self._tls_backlog = True
+                break
         if self.h2.has_output or self.outbio.pending:  # (WINDOW_UPDATE, ACKs, RST, alerts)
             self.flush()
         if self._closing or self.closed.done():
@@ -799,7 +845,7 @@ class HboneConnection:
             # doing the same.
             self._pause_input()
             return False
-        if n < limit:  # drained: see _READ_BATCH
+        if n < limit and not self._tls_backlog:  # drained: see _READ_BATCH
             if (err := _socket_error(sock)) is not None:
                 self._fail(err)
             return False
@@ -808,14 +854,16 @@ class HboneConnection:
     def _feed(self, data: memoryview) -> None:
         if self.closed.done():
             return
+        h2c = self.h2
         try:
-            events = self.h2.receive_data(data)
+            frames = h2c.frames_received
+            events = h2c.receive_data(data)
             # Frame-dense input is read in small pieces (see _SMALL_RECV), until a real sample
-            # (4 KiB or more) averages 256 bytes or more per event.
-            ne, nd = len(events), len(data)
-            if ne > (nd >> 6) + 8:
+            # (4 KiB or more) averages 256 bytes or more per frame.
+            nf, nd = h2c.frames_received - frames, len(data)
+            if nf > (nd >> 6) + 8:
                 self._small_reads = True
-            elif self._small_reads and nd >= 4096 and ne << 8 < nd:
+            elif self._small_reads and nd >= _SMALL_PLAIN and nf << 8 < nd:
                 self._small_reads = False
         except h2.RemoteProtocolError as e:
             # The GOAWAY goes out first, whatever the events do; the socket then closes

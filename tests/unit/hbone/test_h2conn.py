@@ -357,6 +357,46 @@ def test_received_data_is_a_view_of_the_input() -> None:
     assert sum(e.flow_controlled_length for e in got) == 1000
 
 
+def test_small_data_frames_of_a_stream_are_joined_within_one_input() -> None:
+    # A peer sending tiny DATA frames (1-byte frames at line rate are legal) costs one event per
+    # stream and input, not one event, slice and iovec per frame; frames are still counted.
+    s, enc = raw_server()
+    for sid in (1, 3):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        s.send_response(sid, 200)
+    before = s.frames_received
+    wire = b"".join(frame(DATA, 0, 1 + 2 * (i % 2), b"%d" % (i % 10)) for i in range(1000))
+    ev = s.receive_data(wire + frame(DATA, FLAG_END_STREAM, 3, b"!"))
+    assert s.frames_received - before == 1001
+    assert [(type(e), getattr(e, "stream_id", None)) for e in ev] == [
+        (DataReceived, 1),
+        (DataReceived, 3),
+        (StreamEnded, 3),
+    ]
+    one, three = of(ev, DataReceived)
+    assert bytes(one.data) == b"02468" * 100 and one.flow_controlled_length == 500
+    assert bytes(three.data) == b"13579" * 100 + b"!" and three.flow_controlled_length == 501
+    s.acknowledge_received_data(1, 500)  # (the whole joined event is one acknowledgement)
+    # A lone small frame is still a slice of the input (no copy).
+    wire = frame(DATA, 0, 1, b"x")
+    (ev1,) = s.receive_data(wire)
+    assert isinstance(ev1, DataReceived) and isinstance(ev1.data, memoryview)
+    assert ev1.data.obj is wire
+
+
+def test_joined_data_keeps_the_order_of_a_stream() -> None:
+    # A large (not joined) payload between small ones: the later small ones start a new event,
+    # so the stream's bytes come out in order; padded frames join like the others.
+    s, enc = raw_server()
+    s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 1, connect_block(enc)))
+    big = b"B" * (h2mod.COALESCE_MAX + 1)
+    padded = frame(DATA, FLAG_PADDED, 1, b"\x03p" + b"\0" * 3)
+    wire = frame(DATA, 0, 1, b"a") + padded + frame(DATA, 0, 1, big) + frame(DATA, 0, 1, b"c")
+    ev = of(s.receive_data(wire + padded + frame(DATA, 0, 1, b"d")), DataReceived)
+    assert [bytes(e.data) for e in ev] == [b"ap", big, b"cpd"]
+    assert [e.flow_controlled_length for e in ev] == [2, len(big), 3]
+
+
 def test_byte_by_byte_feed() -> None:
     c, s = connected_pair()
     sid = c.open_stream("10.0.0.2:80", [("x-big", "v" * 3000)])

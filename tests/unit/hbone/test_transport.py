@@ -186,6 +186,48 @@ async def test_request_response_many_small_messages(contexts) -> None:
 
 
 @pytest.mark.both_loops
+async def test_a_busy_peer_gets_one_read_turn_per_loop_iteration(contexts) -> None:
+    """A socket that stays readable (a peer sending 1-byte DATA frames faster than they are
+    parsed) is read one turn per iteration of the loop, a frame-dense one 4 KiB of plaintext per
+    turn: at most one continuation is queued per reader. Before, each iteration of a socket that
+    stayed readable queued one more, and the loop soon ran dozens of that peer's turns per
+    iteration (tens of ms for everyone else)."""
+    loop = asyncio.get_running_loop()
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        (sid,) = p.client._bridges
+        one = struct.pack(">IBI", 1 << 8 | h2.DATA, 0, sid) + b"x"
+        p.client.send_frames(memoryview(one * 100_000))  # (wire-ready frames, 1 MB)
+        turns = 0
+        read = p.server._read_and_dispatch
+
+        def counted() -> bool:
+            nonlocal turns
+            turns += 1
+            return read()
+
+        p.server._read_and_dispatch = counted  # type: ignore[method-assign]
+        per_iteration: list[int] = []
+        done = loop.create_future()
+
+        def tick(seen: int) -> None:
+            per_iteration.append(turns - seen)
+            if len(per_iteration) < 100:
+                loop.call_soon(tick, turns)
+            else:
+                done.set_result(None)
+
+        await asyncio.sleep(0.05)  # (the frames are in the server's socket)
+        loop.call_soon(tick, turns)
+        await done
+        assert sum(per_iteration) >= 50  # the peer was served all along ...
+        assert max(per_iteration) <= 2, per_iteration  # ... a turn per iteration, not more
+        assert p.server.h2.frames_received >= 50 * 400
+        t.app.close()
+        t.upstream.close()
+
+
+@pytest.mark.both_loops
 async def test_bulk_both_ways_crosses_records_and_reads(contexts) -> None:
     """Several MiB each way at once: TLS records split across socket reads, many records per
     read, DATA frames across decrypt buffers, flow control (4 MiB stream window)."""
