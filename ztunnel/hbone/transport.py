@@ -11,6 +11,8 @@ Each tunnelled TCP connection is one stream, bridged to its socket by ``StreamBr
 TCP bytes become DATA within the peer's flow-control windows, DATA is written to the socket and
 acknowledged (releasing window) only once written, FIN maps to END_STREAM both ways, and a reset
 with NO_ERROR or CANCEL is a clean end. The first connection-level error fails every stream.
+What a connection holds in memory (DATA that arrived before its stream was bridged, or that the
+socket did not take yet) counts against the process's ``budget.BufferBudget``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone.budget import BufferBudget
 from ztunnel.hbone.clienthello import (
     NO_APPLICATION_PROTOCOL_ALERT,
     NotClientHello,
@@ -37,9 +40,11 @@ from ztunnel.hbone.clienthello import (
 )
 from ztunnel.identity.osslverify import VerifiedChain, take_verified_chain
 from ztunnel.identity.tls import peer_identity
+from ztunnel.logs import RateLimitedLog
 from ztunnel.net.copy import CopyCounters
 
 log = logging.getLogger("ztunnel.hbone")
+_rate_limited = RateLimitedLog(log)
 
 _RECV_SIZE = 256 * 1024
 # A peer pays for its frames, not only for its bytes: one whose frames are tiny (more than one
@@ -128,6 +133,10 @@ class _TxBuffer:
 _scratch = _Scratch()
 
 
+def _no_resume() -> None:
+    pass
+
+
 def release_scratch() -> None:
     """This thread's HBONE scratch buffers go back to the kernel until next used (call it between
     callbacks, on the event loop's thread: the idle trimmer does)."""
@@ -135,6 +144,8 @@ def release_scratch() -> None:
 
 
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
+_PAUSE_BACKLOG = 1  # the peer leaves our replies unread (_CONTROL_BACKLOG)
+_PAUSE_BUDGET = 2  # past the process's buffer budget, holding its share (budget.py)
 _CONTROL_BACKLOG = 64 * 1024  # stop reading a peer that left this much of our replies unread
 # Reads per readiness callback before yielding to other callbacks (call_soon continues: at most
 # one continuation is queued per reader, and a readiness callback that finds one queued leaves
@@ -361,6 +372,9 @@ class StreamBridge:
                 self.sock.setsockopt(
                     socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
                 )
+        if self._pending:  # (aborted with bytes unwritten: they are dropped)
+            self.conn._holder.release(sum(len(p.data) for p in self._pending))
+            self._pending.clear()
         self.sock.close()
         self.conn._bridges.pop(self.stream_id, None)
         if self.conn.goaway:
@@ -519,12 +533,14 @@ class StreamBridge:
 
     def _queue(self, data: bytes, flow: int) -> None:
         self._pending.append(_PendingWrite(memoryview(data), flow))
+        self.conn._holder.hold(len(data))
         if not self._writer_armed:
             self.conn.loop.add_writer(self.fd, self._on_tcp_writable)
             self._writer_armed = True
 
     def _on_tcp_writable(self) -> None:
         acked = False
+        holder = self.conn._holder
         while self._pending:
             head = self._pending[0]
             try:
@@ -534,6 +550,7 @@ class StreamBridge:
             except OSError as e:
                 self.abort(e)
                 return
+            holder.release(n)
             self.h2_to_tcp += n
             self.counters.up_to_down += n
             if n < len(head.data):
@@ -588,7 +605,10 @@ class HboneConnection:
         on_request: Callable[[HboneConnection, h2.RequestReceived], None] | None = None,
         keepalive: bool = True,
         peer_chain: VerifiedChain = (),
+        budget: BufferBudget | None = None,
     ) -> None:
+        """``budget``: the process's budget for held bytes (default: the loop's, with the
+        default size)."""
         self.loop = asyncio.get_running_loop()
         self.sock = sock
         self.fd = sock.fileno()
@@ -622,7 +642,10 @@ class HboneConnection:
         self._ping_sent: float | None = None
         self._keepalive: asyncio.TimerHandle | None = None
         self.goaway = False
-        self._input_paused = False  # the peer stopped reading: so do we (see _read_and_dispatch)
+        self._paused = 0  # why the socket is not read (_PAUSE_*: see _read_and_dispatch)
+        if budget is None:
+            budget = BufferBudget.of_loop(self.loop)
+        self._holder = budget.holder(self._budget_resume)
         self._ctl_backlog = 0  # control bytes queued behind unsent output
         # The peer's frames are tiny: read little at a time. Until its input shows otherwise, so
         # that not even the first read of a connection can be 256 KiB of 1-byte frames.
@@ -724,8 +747,8 @@ class HboneConnection:
         self.loop.remove_writer(self.fd)
         self._writer_armed = False
         self._ctl_backlog = 0
-        if self._input_paused:
-            self._resume_input()
+        if self._paused & _PAUSE_BACKLOG:
+            self._resume(_PAUSE_BACKLOG)
         if self._blocked_bridges:
             blocked, self._blocked_bridges = self._blocked_bridges, set()
             for b in blocked:
@@ -735,12 +758,12 @@ class HboneConnection:
 
     def _on_readable(self) -> None:
         # (paused; or the queued continuation reads, in its turn)
-        if not self._input_paused and not self._more_soon:
+        if not self._paused and not self._more_soon:
             self._read_turn()
 
     def _on_more(self) -> None:
         self._more_soon = False
-        if not self._input_paused:  # (a continuation from before a pause)
+        if not self._paused:  # (a continuation from before a pause)
             self._read_turn()
 
     def _read_turn(self) -> None:
@@ -749,8 +772,8 @@ class HboneConnection:
             for _ in range(_READ_BATCH):
                 if not self._read_and_dispatch():
                     return
-                if self._small_reads:
-                    break  # (frame-dense input: one small read per turn)
+                if self._small_reads or self._holder.budget.tight:
+                    break  # (frame-dense input, or the budget is tight: one small read a turn)
         except Exception as e:  # a bug: fail this connection, keep serving the others
             log.exception("HBONE connection failed on an internal error")
             self._fail(e)
@@ -762,25 +785,46 @@ class HboneConnection:
             self._more_soon = True
             self.loop.call_soon(self._on_more)
 
-    def _pause_input(self) -> None:
-        if not self._input_paused:
-            self._input_paused = True
+    def _pause(self, why: int) -> None:
+        if not self._paused:
             self.loop.remove_reader(self.fd)
+        self._paused |= why
 
-    def _resume_input(self) -> None:
-        self._input_paused = False
-        self.loop.add_reader(self.fd, self._on_readable)
-        if self._tls_backlog:  # (the socket may stay quiet: what TLS holds goes on now)
-            self._continue_soon()
+    def _resume(self, why: int) -> None:
+        if not self._paused & why:
+            return
+        self._paused &= ~why
+        if not self._paused and not self._closing:
+            self.loop.add_reader(self.fd, self._on_readable)
+            self._continue_soon()  # (what TLS holds goes on even if the socket stays quiet)
+
+    def _budget_resume(self) -> None:
+        self._resume(_PAUSE_BUDGET)
 
     def _read_and_dispatch(self) -> bool:
         """One read (or, for a frame-dense peer, one slice of what TLS still holds); True if
         there may be more (and the connection is still up)."""
         if self._closing:
             return False
+        holder = self._holder
+        if holder.held and holder.must_wait():
+            # Past the process's budget and holding at least its share: not read until the
+            # budget drains (HTTP/2 windows cannot be taken back; TCP's can).
+            self._pause(_PAUSE_BUDGET)
+            b = holder.budget
+            _rate_limited.warning(
+                "budget",
+                "HBONE buffer budget of %d MiB is used up (%d connections hold %d MiB): "
+                "connections holding their share or more are not read until it drains",
+                b.limit >> 20,
+                b.holders,
+                b.used >> 20,
+            )
+            return False
         sock = self.sock
         scratch = _scratch  # this thread's buffers
-        limit = _SMALL_RECV if self._small_reads else _RECV_SIZE
+        small = self._small_reads or holder.budget.tight
+        limit = _SMALL_RECV if small else _RECV_SIZE
         inbio = self.inbio
         backlog = self._tls_backlog
         if backlog:  # the last turn left plaintext in TLS: parse it before reading again
@@ -843,7 +887,7 @@ class HboneConnection:
             # (_on_writable resumes). DATA is not counted: bridges stop at _HIGH_WATER, and a
             # connection that stopped reading on bulk backlog alone could deadlock with a peer
             # doing the same.
-            self._pause_input()
+            self._pause(_PAUSE_BACKLOG)
             return False
         if n < limit and not self._tls_backlog:  # drained: see _READ_BATCH
             if (err := _socket_error(sock)) is not None:
@@ -896,9 +940,9 @@ class HboneConnection:
                     continue
                 if (early := self._early.get(ev.stream_id)) is not None:
                     # Copied: the decrypt buffer is reused on the next read.
-                    early.append(
-                        h2.DataReceived(ev.stream_id, bytes(ev.data), ev.flow_controlled_length)
-                    )
+                    copy = bytes(ev.data)
+                    early.append(h2.DataReceived(ev.stream_id, copy, ev.flow_controlled_length))
+                    self._holder.hold(len(copy))
                 else:
                     self.h2.acknowledge_received_data(ev.stream_id, ev.flow_controlled_length)
                 continue
@@ -941,6 +985,7 @@ class HboneConnection:
                         # Nothing of it will be delivered: free the copies now.
                         for e in early:
                             if isinstance(e, h2.DataReceived):
+                                self._holder.release(len(e.data))
                                 self.h2.acknowledge_received_data(
                                     ev.stream_id, e.flow_controlled_length
                                 )
@@ -992,7 +1037,7 @@ class HboneConnection:
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
-        if not self._input_paused:
+        if not self._paused:
             self.loop.remove_reader(self.fd)
         if self._writer_armed:
             self.loop.remove_writer(self.fd)
@@ -1013,6 +1058,8 @@ class HboneConnection:
         self._early.clear()
         for b in list(self._bridges.values()):
             b.abort(exc)
+        self._holder.release_all()  # (the early copies; the bridges released their own)
+        self._holder.resume = _no_resume  # (it pointed back here: no cycle is left)
         if self.protocol_error is not None:
             # (also with nothing left to send: closing with unread input would send a RST
             # that purges a GOAWAY still in the kernel's send queue)
@@ -1120,7 +1167,9 @@ class HboneConnection:
         stream limit, and bytes still owed for it go back to the connection window."""
         if self.closed.done():
             return
-        self._early.pop(stream_id, None)
+        for ev in self._early.pop(stream_id, ()):
+            if isinstance(ev, h2.DataReceived):
+                self._holder.release(len(ev.data))
         self.h2.release_stream(stream_id)
         if self.h2.has_output:
             self.flush()
@@ -1148,6 +1197,7 @@ class HboneConnection:
         """No bridge will be attached to this stream: release what was buffered for it."""
         for ev in self._early.pop(stream_id, ()):
             if isinstance(ev, h2.DataReceived):
+                self._holder.release(len(ev.data))
                 self.h2.acknowledge_received_data(stream_id, ev.flow_controlled_length)
 
     def bridge(
@@ -1170,6 +1220,7 @@ class HboneConnection:
         b.start()
         for ev in early:
             if isinstance(ev, h2.DataReceived):
+                self._holder.release(len(ev.data))  # (what the socket does not take is queued)
                 b.on_data(ev.data, ev.flow_controlled_length)
             elif isinstance(ev, h2.StreamEnded):
                 b.on_end_stream()

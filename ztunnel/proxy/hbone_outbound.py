@@ -21,6 +21,7 @@ from ztunnel.core.errors import (
 )
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone.budget import DEFAULT_BUDGET, BufferBudget
 from ztunnel.hbone.headers import (
     BAGGAGE,
     X_FORWARDED_NETWORK,
@@ -62,12 +63,21 @@ class HboneSettings:
     stream_window: int
     connection_window: int
     frame_size: int
+    buffer_budget: int = DEFAULT_BUDGET  # this process's share of ZTUNNEL_H2_BUFFER_BUDGET
 
     @classmethod
     def from_config(cls, cfg: Config) -> HboneSettings:
         return cls(
-            cfg.http2_stream_window_size, cfg.http2_connection_window_size, cfg.http2_frame_size
+            cfg.http2_stream_window_size,
+            cfg.http2_connection_window_size,
+            cfg.http2_frame_size,
+            # Split evenly: each worker process runs its own loop and budget (ARCHITECTURE.md).
+            max(1, cfg.h2_buffer_budget // max(1, cfg.num_worker_threads)),
         )
+
+    def budget(self) -> BufferBudget:
+        """The budget every HBONE connection of this process (its loop) holds bytes against."""
+        return BufferBudget.of_loop(asyncio.get_running_loop(), self.buffer_budget)
 
 
 async def dial_hbone(
@@ -114,7 +124,9 @@ async def dial_hbone(
         connection_window_size=settings.connection_window,
         max_frame_size=settings.frame_size,
     )
-    return HboneConnection(sock, sslobj, inbio, outbio, h2c, peer_chain=chain)
+    return HboneConnection(
+        sock, sslobj, inbio, outbio, h2c, peer_chain=chain, budget=settings.budget()
+    )
 
 
 def _recheck_new(
@@ -298,7 +310,9 @@ class HboneConnector:
                 connection_window_size=self.settings.connection_window,
                 max_frame_size=self.settings.frame_size,
             )
-            inner = HboneConnection(near, sslobj, inbio, outbio, h2c, peer_chain=chain)
+            inner = HboneConnection(
+                near, sslobj, inbio, outbio, h2c, peer_chain=chain, budget=self.settings.budget()
+            )
             inner_headers = [*headers, (X_FORWARDED_NETWORK, self.config.network)]
             resp = await self._connect(inner, route, inner_headers, rec)
             if resp is None:

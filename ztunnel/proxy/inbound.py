@@ -267,7 +267,14 @@ class InboundHbone:
         # chain shares) stand in for it in re-checks.
         chain = chain or (*cert.intermediates, *cert.roots)
         conn = HboneConnection(
-            sock, sslobj, inbio, outbio, h2c, on_request=on_request, peer_chain=chain
+            sock,
+            sslobj,
+            inbio,
+            outbio,
+            h2c,
+            on_request=on_request,
+            peer_chain=chain,
+            budget=self.settings.budget(),
         )
         self.connections.add(conn)
         if (
