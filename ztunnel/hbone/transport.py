@@ -151,8 +151,9 @@ _CONTROL_BACKLOG = 64 * 1024  # stop reading a peer that left this much of our r
 # one continuation is queued per reader, and a readiness callback that finds one queued leaves
 # the reading to it, so a busy socket gets one turn per loop iteration; before, every iteration
 # of a socket that stayed readable queued one more, and a few busy peers made the loop run
-# dozens of their turns per iteration: tens of ms for everyone else). Readers read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
-# it without telling us, so bytes or an error left unread would strand the connection for good.
+# dozens of their turns per iteration: tens of ms for everyone else). Readers read until
+# EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops it
+# without telling us, so bytes or an error left unread would strand the connection for good.
 # A short read (fewer bytes than asked for) drained the socket, so instead of a second recv that
 # fails with EAGAIN (a syscall plus an OSError built with a locale-decoded strerror: most of the
 # Python cost of a small message) the reader checks SO_ERROR, which is what EPOLLERR reports on a
