@@ -1239,6 +1239,7 @@ class H2Connection:
         pos = 0
         mv: memoryview | None = None
         buf = self._buf
+        joined = self._joined  # (emptied by receive_data after each call)
         while True:
             if pos >= n:
                 return
@@ -1261,8 +1262,8 @@ class H2Connection:
                             mv = memoryview(data)
                         chunk = mv[pos : pos + take]
                     st.unacked += take
-                    if self._joined:
-                        self._joined.pop(st.sid, None)  # (later payloads must not join earlier)
+                    if joined:
+                        joined.pop(st.sid, None)  # (later payloads must not join earlier)
                     events.append(DataReceived(st.sid, chunk, take))
                 pos += take
                 rem -= take
@@ -1312,9 +1313,12 @@ class H2Connection:
                 continue
             # Fast path: whole frames straight from the input.
             max_frame = self._local.max_frame_size
+            small = COALESCE_MAX
+            frames = self.frames_received  # (counted locally, stored at every way out)
             while True:
                 avail = n - pos
                 if avail < 9:
+                    self.frames_received = frames
                     if avail:
                         if mv is None:
                             mv = memoryview(data)
@@ -1324,7 +1328,7 @@ class H2Connection:
                 length = lt >> 8
                 ftype = lt & 0xFF
                 sid &= MAX_STREAM_ID
-                self.frames_received += 1
+                frames += 1
                 if length > max_frame or self._cont_sid or self._awaiting_settings:
                     self._check_header(ftype, flags, sid, length)
                 end = pos + 9 + length
@@ -1338,11 +1342,11 @@ class H2Connection:
                                 if mv is None:
                                     mv = memoryview(data)
                                 st.unacked += length
-                                if length <= COALESCE_MAX:
+                                if length <= small:
                                     self._join(sid, mv[pos + 9 : end], length, events)
                                 else:
-                                    if self._joined:
-                                        self._joined.pop(sid, None)
+                                    if joined:
+                                        joined.pop(sid, None)
                                     events.append(DataReceived(sid, mv[pos + 9 : end], length))
                         elif not flags & FLAG_END_STREAM:
                             self._spend_empty()
@@ -1351,14 +1355,16 @@ class H2Connection:
                         pos = end
                         continue
                     # The payload continues in later input: stream it as it arrives.
-                    if self._joined:
-                        self._joined.pop(sid, None)
+                    self.frames_received = frames
+                    if joined:
+                        joined.pop(sid, None)
                     pos += 9
                     self._data_remaining = length
                     self._data_stream = st
                     self._data_end = bool(flags & FLAG_END_STREAM)
                     break
                 if end > n:
+                    self.frames_received = frames
                     if mv is None:
                         mv = memoryview(data)
                     buf += mv[pos:]
