@@ -209,6 +209,8 @@ class Config:
     h2_max_empty_frames: int = 100  # ZTUNNEL_H2_MAX_EMPTY_FRAMES
     h2_max_early_resets: int = 200  # ZTUNNEL_H2_MAX_EARLY_RESETS (rapid reset)
     h2_max_continuations: int = 32  # ZTUNNEL_H2_MAX_CONTINUATIONS (per header block)
+    # ZTUNNEL_H2_BUFFER_BUDGET: HBONE bytes held in memory, node-wide (each worker: 1/N of it)
+    h2_buffer_budget: int = 32 * MiB
     fd_reserve: int | None = None  # ZTUNNEL_FD_RESERVE: fds kept free (None: 10%, 32..1024)
     # ZTUNNEL_STATE_MAX_BYTES (Python-only): the most the shared state store (ztunnel/state/
     # shared.py, a file in $TMPDIR) may hold; xDS that would not fit is NACKed, nothing applied.
@@ -775,6 +777,7 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         h2_max_empty_frames=e.integer("ZTUNNEL_H2_MAX_EMPTY_FRAMES", 100, 1, 10**9),
         h2_max_early_resets=e.integer("ZTUNNEL_H2_MAX_EARLY_RESETS", 200, 1, 10**9),
         h2_max_continuations=e.integer("ZTUNNEL_H2_MAX_CONTINUATIONS", 32, 1, 10**6),
+        h2_buffer_budget=e.integer("ZTUNNEL_H2_BUFFER_BUDGET", 32 * MiB, MiB, 2**40),
         fd_reserve=(
             e.integer("ZTUNNEL_FD_RESERVE", 0, 0, 10**7)
             if e.opt("ZTUNNEL_FD_RESERVE") is not None

@@ -3,6 +3,8 @@
 * Node as the HBONE **client** (``interop/hbone_client.js``, on an external host): mTLS 1.3 with
   a certificate from the shared local CA, ALPN h2, ``CONNECT`` with ``:authority = podIP:port``
   to ztunnel-b's 15008, data both ways with half-close, checksums on both ends.
+* Node as a busy legal client (``interop/hbone_churn.js``): up to the advertised 200 streams open
+  at once, each replaced as soon as it closes; none may be refused.
 * Node as the HBONE **server** (``interop/hbone_server.js``, in pod e on 15008 where a ztunnel
   would be): ztunnel-a tunnels pod a's app traffic to it; it checks what ztunnel sends (only
   ``:method``/``:authority`` pseudo-headers, the SPIFFE client certificate, TLS 1.3, h2, the
@@ -53,6 +55,7 @@ NODE_CLIENT = Identity(TRUST_DOMAIN, "default", "node-client")
 SA_B = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-b"
 SA_A = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-a"
 SA_E = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/sa-e"
+REFUSED_ONCE = 9316  # the node server refuses the first stream to pod e on this port
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,8 @@ def bed(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         extra_env={"POOL_UNUSED_RELEASE_TIMEOUT": "200ms"}, extra_pods=extra, external=True
     ) as m:
         client_files = write_cert_files(m.ca.issue(NODE_CLIENT), certs, "node-client")
-        server = start_server(m.pods["e"], m.ca, "sa-e", certs)
+        e = m.pods["e"]
+        server = start_server(e, m.ca, "sa-e", certs, refuseOnce=[f"{e.ip4}:{REFUSED_ONCE}"])
         # Warm up: both ztunnels fetch their certificates (and start renewal timers) now, so
         # the per-test baselines are steady.
         echo = start_app(m.b, "echo", ports=(9300,))
@@ -196,6 +200,38 @@ def test_node_client_gets_ztunnel_status_codes(bed: Bed) -> None:
         assert node_client(bed, b.ip4, f"{b.ip4}:15008", send=0)["status"] == 503
 
 
+def test_node_client_churning_at_the_stream_limit_is_never_refused(bed: Bed) -> None:
+    """A legal client that keeps up to the advertised 200 streams open and opens the next as
+    soon as one closes gets none refused: only open and half-closed streams count against
+    SETTINGS_MAX_CONCURRENT_STREAMS (RFC 9113 5.1.2; Rust's h2 ``Counts`` frees the slot when
+    the stream closes), whatever work the server still does for closed ones."""
+    b = bed.m.b
+    echo = start_app(b, "echo", ports=(9305,))
+    total = 3000
+    cfg = {
+        "host": b.ip4,
+        "port": 15008,
+        "authority": f"{b.ip4}:9305",
+        "cert": str(bed.client_files.cert),
+        "key": str(bed.client_files.key),
+        "ca": str(bed.client_files.ca),
+        "concurrency": 200,
+        "total": total,
+        "timeoutSeconds": 50,
+    }
+    with no_leaks(bed.m.ztb):
+        proc = bed.ext.run(bed.node, str(INTEROP / "hbone_churn.js"), json.dumps(cfg), check=False)
+    echo.stop()
+    lines = [ln for ln in proc.stdout.split("\n") if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, (proc.returncode, proc.stdout, proc.stderr)
+    out = json.loads(lines[-1])
+    print(f"[churn] {out}")
+    assert out["remoteMaxStreams"] == 200
+    assert out["maxOpen"] == 200
+    assert (out["refused"], out["resets"], out["statuses"], out["badEcho"]) == (0, {}, {}, 0), out
+    assert out["ok"] == total
+
+
 # --- ztunnel -> node server ------------------------------------------------------------------
 
 
@@ -268,3 +304,25 @@ def test_ztunnel_client_to_node_server_refused(bed: Bed) -> None:
         start=since,
     )
     assert rec["dst.hbone_addr"] == f"{e.ip4}:9999"
+
+
+def test_ztunnel_client_retries_a_refused_stream_on_another_connection(bed: Bed) -> None:
+    """node resets the first CONNECT to e:9316 with REFUSED_STREAM (nothing was processed, RFC
+    9113 8.7): ztunnel-a tries it again on another HBONE connection, and the app's TCP
+    connection goes through as if nothing happened."""
+    e, a = bed.e, bed.m.a
+    target = f"{e.ip4}:{REFUSED_ONCE}"
+    echo = start_app(e, "echo", ports=(REFUSED_ONCE,))
+    since = len(bed.m.zta.records)
+    with no_leaks(bed.m.zta):
+        assert echo_roundtrip(a, e.ip4, REFUSED_ONCE, b"retried\n") == b"retried\n"
+    echo.stop()
+    refused = server_event(bed, lambda ev: ev["event"] == "refused" and ev["authority"] == target)
+    served = server_event(bed, lambda ev: ev["event"] == "request" and ev["authority"] == target)
+    assert served["client"] != refused["client"]  # another HTTP/2 connection
+    rec = bed.m.zta.wait_for(
+        lambda r: r.get("message") == "connection complete" and r.get("dst.hbone_addr") == target,
+        start=since,
+    )
+    assert "error" not in rec, rec
+    assert rec["bytes_sent"] == rec["bytes_recv"] == len(b"retried\n")

@@ -20,7 +20,10 @@ Buffers and their lifetimes
   mutable buffer (bytearray, a memoryview of a reusable buffer), the slice is valid only until that
   buffer is reused. Frame boundaries carry no meaning in HTTP/2, so splitting DATA is invisible to
   the application. Only frame headers and non-DATA frames are ever copied into the connection's
-  own buffer.
+  own buffer, and small DATA payloads: the payloads of complete DATA frames of up to
+  ``COALESCE_MAX`` bytes for one stream within one call are joined into one event (a
+  ``bytearray``), so a peer sending tiny frames costs one event per stream and call, not one per
+  frame. :attr:`H2Connection.frames_received` counts frames, for fairness between peers.
 
 Flow control contract
 ---------------------
@@ -53,10 +56,13 @@ connection ends with GOAWAY ENHANCE_YOUR_CALM. A budget is one integer decrement
 clock is read only when one runs out. A header block may have at most ``max_continuations``
 CONTINUATION frames and a bounded size (CVE-2024-27316); a SETTINGS frame is applied in one pass
 (an INITIAL_WINDOW_SIZE change touches each stream once, whatever the number of entries) and may
-carry at most ``max_settings_entries``. With ``hold_streams=True`` a peer-initiated stream keeps
-counting against MAX_CONCURRENT_STREAMS, and the bytes received on it against the connection
-window, until the application calls :meth:`H2Connection.release_stream` (its work really ended),
-however early the peer reset it.
+carry at most ``max_settings_entries``. Only open and half-closed streams count against
+MAX_CONCURRENT_STREAMS (RFC 9113 5.1.2), so a peer within the limit is never refused. With
+``hold_streams=True`` a peer-initiated stream closed on the wire (ended or reset, however early)
+whose work the application has not finished yet (:meth:`H2Connection.release_stream`) is *held*:
+the bytes received on it stay owed to the connection window, and the held streams have a budget
+of their own (``held_streams``): a new stream arriving while it is spent ends the connection with
+ENHANCE_YOUR_CALM, so resets cannot multiply the work a connection causes.
 """
 
 from __future__ import annotations
@@ -230,7 +236,8 @@ class TrailersReceived(Event):
 
 @dataclass(slots=True)
 class DataReceived(Event):
-    """Payload bytes. ``data`` may be a memoryview slice of the input (see module docstring).
+    """Payload bytes. ``data`` may be a memoryview slice of the input, or a ``bytearray`` of
+    several small payloads of the stream joined (see module docstring).
 
     Pass ``flow_controlled_length`` to ``acknowledge_received_data`` once consumed.
     """
@@ -339,6 +346,9 @@ class FloodLimits:
     window_updates: int = 10_000  # WINDOW_UPDATE frames
     empty_frames: int = 100  # DATA without payload or END_STREAM, empty header fragments
     early_resets: int = 200  # peer streams reset before we answered them (rapid reset)
+    # Peer streams closed on the wire whose work goes on (hold_streams): not a rate, a level. Twice
+    # the default stream limit, so that a peer turning all its streams over at once is within it.
+    held_streams: int = 400
     max_continuations: int = 32  # CONTINUATION frames in one header block
     max_settings_entries: int = 32  # entries in one SETTINGS frame (nghttp2's default)
 
@@ -632,6 +642,9 @@ DEFAULT_SEND_FRAME_SIZE: Final = 64 * 1024
 DEFAULT_SERVER_MAX_STREAMS: Final = 200
 DEFAULT_CLIENT_HEADER_LIST: Final = 16 * 1024
 DEFAULT_SERVER_HEADER_LIST: Final = 64 * 1024
+# DATA payloads up to this size are copied and joined per stream within one receive_data call
+# (cheaper than an event, a slice and an iovec each); larger ones are handed on as slices.
+COALESCE_MAX: Final = 1024
 
 
 class _Stream:
@@ -763,6 +776,9 @@ class H2Connection:
         self._cont_block = bytearray()
         self._cont_flags = 0
         self._cont_self_dep = False
+        self.frames_received = 0  # every frame header parsed (fairness: a peer pays per frame)
+        # Within one receive_data call: stream id -> the event its small DATA payloads join.
+        self._joined: dict[int, DataReceived] = {}
         self._data_remaining = 0  # payload bytes left in the DATA frame being streamed
         self._data_stream: _Stream | None = None  # None: discard the payload
         self._data_end = False
@@ -1102,10 +1118,11 @@ class H2Connection:
             st.recv_pending = p
 
     def release_stream(self, stream_id: int) -> None:
-        """``hold_streams``: the application's work for a peer stream has ended. Until now the
-        stream counted against MAX_CONCURRENT_STREAMS (even once closed) and the bytes delivered
-        on it against the connection window; both are returned. The stream itself is left as it
-        is (close or reset it first). Unknown or already released streams are ignored."""
+        """``hold_streams``: the application's work for a peer stream has ended. Once closed on
+        the wire, the stream was held until now (counted against ``held_streams``, and the
+        bytes delivered on it against the connection window); both are returned. The stream
+        itself is left as it is (close or reset it first). Unknown or already released streams
+        are ignored."""
         st = self._streams.get(stream_id)
         if st is not None:
             st.held = False
@@ -1129,7 +1146,7 @@ class H2Connection:
 
     @property
     def held_streams(self) -> int:
-        """Closed peer streams not yet released (``hold_streams``)."""
+        """Peer streams closed on the wire and not yet released (``hold_streams``)."""
         return len(self._held)
 
     def ping(self, opaque: bytes | None = None) -> bytes:
@@ -1192,6 +1209,9 @@ class H2Connection:
             err = RemoteProtocolError(ErrorCode.INTERNAL_ERROR, f"internal error: {exc!r}")
             self._terminate(err, events)
             raise err from exc
+        finally:
+            if self._joined:  # (the events are the caller's now)
+                self._joined.clear()
         return events
 
     def _terminate(self, exc: RemoteProtocolError, events: list[Event]) -> None:
@@ -1219,6 +1239,7 @@ class H2Connection:
         pos = 0
         mv: memoryview | None = None
         buf = self._buf
+        joined = self._joined  # (emptied by receive_data after each call)
         while True:
             if pos >= n:
                 return
@@ -1241,6 +1262,8 @@ class H2Connection:
                             mv = memoryview(data)
                         chunk = mv[pos : pos + take]
                     st.unacked += take
+                    if joined:
+                        joined.pop(st.sid, None)  # (later payloads must not join earlier)
                     events.append(DataReceived(st.sid, chunk, take))
                 pos += take
                 rem -= take
@@ -1266,6 +1289,7 @@ class H2Connection:
                     length = lt >> 8
                     ftype = lt & 0xFF
                     sid &= MAX_STREAM_ID
+                    self.frames_received += 1
                     self._check_header(ftype, flags, sid, length)
                     if ftype == DATA and not flags & FLAG_PADDED:
                         buf.clear()
@@ -1289,9 +1313,12 @@ class H2Connection:
                 continue
             # Fast path: whole frames straight from the input.
             max_frame = self._local.max_frame_size
+            small = COALESCE_MAX
+            frames = self.frames_received  # (counted locally, stored at every way out)
             while True:
                 avail = n - pos
                 if avail < 9:
+                    self.frames_received = frames
                     if avail:
                         if mv is None:
                             mv = memoryview(data)
@@ -1301,6 +1328,7 @@ class H2Connection:
                 length = lt >> 8
                 ftype = lt & 0xFF
                 sid &= MAX_STREAM_ID
+                frames += 1
                 if length > max_frame or self._cont_sid or self._awaiting_settings:
                     self._check_header(ftype, flags, sid, length)
                 end = pos + 9 + length
@@ -1314,7 +1342,12 @@ class H2Connection:
                                 if mv is None:
                                     mv = memoryview(data)
                                 st.unacked += length
-                                events.append(DataReceived(sid, mv[pos + 9 : end], length))
+                                if length <= small:
+                                    self._join(sid, mv[pos + 9 : end], length, events)
+                                else:
+                                    if joined:
+                                        joined.pop(sid, None)
+                                    events.append(DataReceived(sid, mv[pos + 9 : end], length))
                         elif not flags & FLAG_END_STREAM:
                             self._spend_empty()
                         if st is not None and flags & FLAG_END_STREAM:
@@ -1322,12 +1355,16 @@ class H2Connection:
                         pos = end
                         continue
                     # The payload continues in later input: stream it as it arrives.
+                    self.frames_received = frames
+                    if joined:
+                        joined.pop(sid, None)
                     pos += 9
                     self._data_remaining = length
                     self._data_stream = st
                     self._data_end = bool(flags & FLAG_END_STREAM)
                     break
                 if end > n:
+                    self.frames_received = frames
                     if mv is None:
                         mv = memoryview(data)
                     buf += mv[pos:]
@@ -1399,7 +1436,12 @@ class H2Connection:
             return
         if size:
             st.unacked += size
-            events.append(DataReceived(sid, payload[1 : 1 + size], size))
+            if size <= COALESCE_MAX:
+                self._join(sid, payload[1 : 1 + size], size, events)
+            else:
+                if self._joined:
+                    self._joined.pop(sid, None)
+                events.append(DataReceived(sid, payload[1 : 1 + size], size))
         # Padding is flow-controlled but never reaches the app: release it here.
         self._release_conn(length - size)
         if flags & FLAG_END_STREAM:
@@ -1411,6 +1453,19 @@ class H2Connection:
                 st.recv_window += p
                 p = 0
             st.recv_pending = p
+
+    def _join(self, sid: int, chunk: Buffer, n: int, events: list[Event]) -> None:
+        """Deliver a small DATA payload: joined to the stream's event of this call, if any."""
+        ev = self._joined.get(sid)
+        if ev is None:
+            self._joined[sid] = ev = DataReceived(sid, chunk, n)
+            events.append(ev)
+            return
+        data = ev.data
+        if type(data) is not bytearray:
+            data = ev.data = bytearray(data)  # (the first payload, a slice of the input)
+        data += chunk
+        ev.flow_controlled_length += n
 
     def _release_conn(self, n: int) -> None:
         p = self._conn_recv_pending + n
@@ -1782,9 +1837,15 @@ class H2Connection:
             self._remember_closed(sid, _RESET_LOCAL)
             return
         limit = self._local.max_concurrent_streams
-        # Streams closed but not released (hold_streams) still count: their work goes on.
+        if len(self._held) >= self._limits.held_streams:
+            # Streams closed on the wire whose work goes on do not count against the peer's
+            # concurrency (RFC 9113 5.1.2), but against this budget of their own.
+            raise RemoteProtocolError(
+                ErrorCode.ENHANCE_YOUR_CALM,
+                f"flood: more than {self._limits.held_streams} closed streams still at work",
+            )
         if (self._goaway_sent and sid > self._goaway_last) or (
-            limit is not None and self._remote_open + len(self._held) >= limit
+            limit is not None and self._remote_open >= limit
         ):
             self._spend_control()  # a reply we queue for nothing
             self._out.append(rst(_RST_LT, 0, sid, ErrorCode.REFUSED_STREAM))

@@ -5,7 +5,8 @@ ztunnel's ``WorkloadKey``. A connection takes streams until it holds
 min(``POOL_MAX_STREAMS_PER_CONNECTION``, the peer's SETTINGS_MAX_CONCURRENT_STREAMS); then a new
 one is dialled. Only one dial per key runs at a time; callers arriving meanwhile wait and then
 share it. A connection that breaks or gets GOAWAY leaves the pool at once; one with no streams
-for ``idle_timeout`` is closed.
+for ``idle_timeout`` is closed. A caller whose stream a connection refused asks again, avoiding
+that one (``checkout(avoid=...)``: RFC 9113 8.7, see ``proxy/hbone_outbound.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 from ztunnel.core.addr import IPAddr, SocketAddr
@@ -60,23 +61,27 @@ class ConnectionPool:
     def _usable(self, conn: HboneConnection) -> bool:
         return not conn.closed.done() and not conn.goaway and self._capacity(conn) > 0
 
-    def _take(self, key: WorkloadKey) -> HboneConnection | None:
+    def _take(self, key: WorkloadKey, avoid: Collection[HboneConnection]) -> HboneConnection | None:
         for conn in self._conns.get(key, ()):
-            if self._usable(conn):
+            if self._usable(conn) and conn not in avoid:
                 conn.reserve()
                 self._idle_since.pop(conn, None)  # busy (an armed timer lapses)
                 return conn
         return None
 
-    async def checkout(self, key: WorkloadKey) -> HboneConnection:
+    async def checkout(
+        self, key: WorkloadKey, avoid: Collection[HboneConnection] = ()
+    ) -> HboneConnection:
         """A connection with one stream reserved for the caller (open it with
-        ``open_stream(..., reserved=True)`` or give it back with ``conn.release()``)."""
-        conn = self._take(key)
+        ``open_stream(..., reserved=True)`` or give it back with ``conn.release()``), other than
+        those in ``avoid`` (connections that refused the caller's stream: a new one is dialled
+        if no other is usable)."""
+        conn = self._take(key, avoid)
         if conn is not None:
             return conn
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            conn = self._take(key)
+            conn = self._take(key, avoid)
             if conn is not None:
                 return conn
             self.dials += 1

@@ -11,6 +11,8 @@ Each tunnelled TCP connection is one stream, bridged to its socket by ``StreamBr
 TCP bytes become DATA within the peer's flow-control windows, DATA is written to the socket and
 acknowledged (releasing window) only once written, FIN maps to END_STREAM both ways, and a reset
 with NO_ERROR or CANCEL is a clean end. The first connection-level error fails every stream.
+What a connection holds in memory (DATA that arrived before its stream was bridged, or that the
+socket did not take yet) counts against the process's ``budget.BufferBudget``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone.budget import BufferBudget
 from ztunnel.hbone.clienthello import (
     NO_APPLICATION_PROTOCOL_ALERT,
     NotClientHello,
@@ -37,16 +40,21 @@ from ztunnel.hbone.clienthello import (
 )
 from ztunnel.identity.osslverify import VerifiedChain, take_verified_chain
 from ztunnel.identity.tls import peer_identity
+from ztunnel.logs import RateLimitedLog
 from ztunnel.net.copy import CopyCounters
 
 log = logging.getLogger("ztunnel.hbone")
+_rate_limited = RateLimitedLog(log)
 
 _RECV_SIZE = 256 * 1024
-# A peer whose frames are tiny (more than one HTTP/2 event per 64 bytes of plaintext: 1-byte
-# DATA frames, say) makes each byte cost as much as a frame; such a connection (and a new one,
-# until its input shows large frames) is read this much at a time, one read per callback, so it
-# cannot hold the loop for long (fairness, not a limit).
+# A peer pays for its frames, not only for its bytes: one whose frames are tiny (more than one
+# frame per 64 bytes of plaintext: 1-byte DATA frames, say) makes each byte cost as much as a
+# frame. Such a connection (and a new one, until its input shows large frames) is read this much
+# at a time and parsed one slice of plaintext per turn of the loop, about 400 frames at most
+# (what is left waits in TLS for the next turn), so it cannot hold the loop for long, however
+# many such connections there are (fairness, not a limit: the frames are legal).
 _SMALL_RECV = 16 * 1024
+_SMALL_PLAIN = 4 * 1024
 _PLAIN_SIZE = 512 * 1024
 _TCP_READ = 256 * 1024  # the most a stream reads from its TCP socket at once
 
@@ -125,6 +133,10 @@ class _TxBuffer:
 _scratch = _Scratch()
 
 
+def _no_resume() -> None:
+    pass
+
+
 def release_scratch() -> None:
     """This thread's HBONE scratch buffers go back to the kernel until next used (call it between
     callbacks, on the event loop's thread: the idle trimmer does)."""
@@ -132,10 +144,16 @@ def release_scratch() -> None:
 
 
 _HIGH_WATER = 1 << 20  # pause every stream's TCP reads above this much unsent ciphertext
+_PAUSE_BACKLOG = 1  # the peer leaves our replies unread (_CONTROL_BACKLOG)
+_PAUSE_BUDGET = 2  # past the process's buffer budget, holding its share (budget.py)
 _CONTROL_BACKLOG = 64 * 1024  # stop reading a peer that left this much of our replies unread
-# Reads per readiness callback before yielding to other callbacks (call_soon continues). Readers
-# read until EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops
-# it without telling us, so bytes or an error left unread would strand the connection for good.
+# Reads per readiness callback before yielding to other callbacks (call_soon continues: at most
+# one continuation is queued per reader, and a readiness callback that finds one queued leaves
+# the reading to it, so a busy socket gets one turn per loop iteration; before, every iteration
+# of a socket that stayed readable queued one more, and a few busy peers made the loop run
+# dozens of their turns per iteration: tens of ms for everyone else). Readers read until
+# EAGAIN: after EPOLLERR (e.g. a peer's RST) uvloop runs a reader once and then drops it
+# without telling us, so bytes or an error left unread would strand the connection for good.
 # A short read (fewer bytes than asked for) drained the socket, so instead of a second recv that
 # fails with EAGAIN (a syscall plus an OSError built with a locale-decoded strerror: most of the
 # Python cost of a small message) the reader checks SO_ERROR, which is what EPOLLERR reports on a
@@ -152,6 +170,12 @@ class HboneError(Exception):
 
 class ConnectionLost(HboneError):
     pass
+
+
+class StreamRefused(HboneError):
+    """The stream was not processed: the peer refused it (RST_STREAM REFUSED_STREAM, or it was
+    above the last stream id of a GOAWAY), or it was never sent (the connection had closed or
+    had no stream left). Safe to retry on another connection (RFC 9113 8.7)."""
 
 
 class AlpnRefused(HboneError):
@@ -278,6 +302,7 @@ class StreamBridge:
         "_fin_sent",
         "_finished",
         "_h2_eof",
+        "_more_soon",
         "_pending",
         "_reading",
         "_tcp_eof",
@@ -312,6 +337,7 @@ class StreamBridge:
         self._fin_sent = False  # shutdown(SHUT_WR) done on the TCP side
         self._pending: list[_PendingWrite] = []
         self._writer_armed = False
+        self._more_soon = False  # a call_soon continuation of the TCP reader is queued
         self._finished = False
         self._error: BaseException | None = None
         # Resolved with the bridge itself when it finishes (HboneConnection.bridge returns it);
@@ -347,6 +373,9 @@ class StreamBridge:
                 self.sock.setsockopt(
                     socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
                 )
+        if self._pending:  # (aborted with bytes unwritten: they are dropped)
+            self.conn._holder.release(sum(len(p.data) for p in self._pending))
+            self._pending.clear()
         self.sock.close()
         self.conn._bridges.pop(self.stream_id, None)
         if self.conn.goaway:
@@ -384,6 +413,14 @@ class StreamBridge:
             self._reading = False
 
     def _on_tcp_readable(self) -> None:
+        if not self._more_soon:  # (else the queued continuation reads, in its turn)
+            self._read_tcp()
+
+    def _on_more(self) -> None:
+        self._more_soon = False
+        self._read_tcp()
+
+    def _read_tcp(self) -> None:
         # Read until EAGAIN, a short read, EOF, an error, or a pause for flow control /
         # back-pressure (which removes the reader, so a later resume registers afresh): see
         # _READ_BATCH.
@@ -435,7 +472,8 @@ class StreamBridge:
                 if (err := _socket_error(sock)) is not None:
                     self.abort(err)
                 return
-        conn.loop.call_soon(self._on_tcp_readable)  # more to read: let others run first
+        self._more_soon = True  # more to read: let others run first
+        conn.loop.call_soon(self._on_more)
 
     def on_window(self) -> None:
         """Send capacity grew: read TCP again (reads never take more than the windows allow)."""
@@ -496,12 +534,14 @@ class StreamBridge:
 
     def _queue(self, data: bytes, flow: int) -> None:
         self._pending.append(_PendingWrite(memoryview(data), flow))
+        self.conn._holder.hold(len(data))
         if not self._writer_armed:
             self.conn.loop.add_writer(self.fd, self._on_tcp_writable)
             self._writer_armed = True
 
     def _on_tcp_writable(self) -> None:
         acked = False
+        holder = self.conn._holder
         while self._pending:
             head = self._pending[0]
             try:
@@ -511,6 +551,7 @@ class StreamBridge:
             except OSError as e:
                 self.abort(e)
                 return
+            holder.release(n)
             self.h2_to_tcp += n
             self.counters.up_to_down += n
             if n < len(head.data):
@@ -565,7 +606,10 @@ class HboneConnection:
         on_request: Callable[[HboneConnection, h2.RequestReceived], None] | None = None,
         keepalive: bool = True,
         peer_chain: VerifiedChain = (),
+        budget: BufferBudget | None = None,
     ) -> None:
+        """``budget``: the process's budget for held bytes (default: the loop's, with the
+        default size)."""
         self.loop = asyncio.get_running_loop()
         self.sock = sock
         self.fd = sock.fileno()
@@ -599,11 +643,16 @@ class HboneConnection:
         self._ping_sent: float | None = None
         self._keepalive: asyncio.TimerHandle | None = None
         self.goaway = False
-        self._input_paused = False  # the peer stopped reading: so do we (see _read_and_dispatch)
+        self._paused = 0  # why the socket is not read (_PAUSE_*: see _read_and_dispatch)
+        if budget is None:
+            budget = BufferBudget.of_loop(self.loop)
+        self._holder = budget.holder(self._budget_resume)
         self._ctl_backlog = 0  # control bytes queued behind unsent output
         # The peer's frames are tiny: read little at a time. Until its input shows otherwise, so
         # that not even the first read of a connection can be 256 KiB of 1-byte frames.
         self._small_reads = True
+        self._tls_backlog = False  # plaintext left in TLS for the next turn (_SMALL_PLAIN)
+        self._more_soon = False  # a call_soon continuation of the reader is queued
         self.protocol_error: h2.RemoteProtocolError | None = None  # why we sent a GOAWAY
         self.loop.add_reader(self.fd, self._on_readable)
         if keepalive:
@@ -699,9 +748,8 @@ class HboneConnection:
         self.loop.remove_writer(self.fd)
         self._writer_armed = False
         self._ctl_backlog = 0
-        if self._input_paused:
-            self._input_paused = False
-            self.loop.add_reader(self.fd, self._on_readable)
+        if self._paused & _PAUSE_BACKLOG:
+            self._resume(_PAUSE_BACKLOG)
         if self._blocked_bridges:
             blocked, self._blocked_bridges = self._blocked_bridges, set()
             for b in blocked:
@@ -710,49 +758,95 @@ class HboneConnection:
     # --- receiving -------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
+        # (paused; or the queued continuation reads, in its turn)
+        if not self._paused and not self._more_soon:
+            self._read_turn()
+
+    def _on_more(self) -> None:
+        self._more_soon = False
+        if not self._paused:  # (a continuation from before a pause)
+            self._read_turn()
+
+    def _read_turn(self) -> None:
         # Read until EAGAIN (see _READ_BATCH), yielding to other callbacks now and then.
-        if self._input_paused:  # (a call_soon continuation from before the pause)
-            return
         try:
             for _ in range(_READ_BATCH):
                 if not self._read_and_dispatch():
                     return
-                if self._small_reads:
-                    break  # (frame-dense input: one small read per turn)
+                if self._small_reads or self._holder.budget.tight:
+                    break  # (frame-dense input, or the budget is tight: one small read a turn)
         except Exception as e:  # a bug: fail this connection, keep serving the others
             log.exception("HBONE connection failed on an internal error")
             self._fail(e)
             return
-        self.loop.call_soon(self._on_readable)
+        self._continue_soon()
 
-    def _pause_input(self) -> None:
-        if not self._input_paused:
-            self._input_paused = True
+    def _continue_soon(self) -> None:
+        if not self._more_soon:
+            self._more_soon = True
+            self.loop.call_soon(self._on_more)
+
+    def _pause(self, why: int) -> None:
+        if not self._paused:
             self.loop.remove_reader(self.fd)
+        self._paused |= why
+
+    def _resume(self, why: int) -> None:
+        if not self._paused & why:
+            return
+        self._paused &= ~why
+        if not self._paused and not self._closing:
+            self.loop.add_reader(self.fd, self._on_readable)
+            self._continue_soon()  # (what TLS holds goes on even if the socket stays quiet)
+
+    def _budget_resume(self) -> None:
+        self._resume(_PAUSE_BUDGET)
 
     def _read_and_dispatch(self) -> bool:
-        """One read; True if the socket may have more (and the connection is still up)."""
+        """One read (or, for a frame-dense peer, one slice of what TLS still holds); True if
+        there may be more (and the connection is still up)."""
         if self._closing:
+            return False
+        holder = self._holder
+        if holder.held and holder.must_wait():
+            # Past the process's budget and holding at least its share: not read until the
+            # budget drains (HTTP/2 windows cannot be taken back; TCP's can).
+            self._pause(_PAUSE_BUDGET)
+            b = holder.budget
+            _rate_limited.warning(
+                "budget",
+                "HBONE buffer budget of %d MiB is used up (%d connections hold %d MiB): "
+                "connections holding their share or more are not read until it drains",
+                b.limit >> 20,
+                b.holders,
+                b.used >> 20,
+            )
             return False
         sock = self.sock
         scratch = _scratch  # this thread's buffers
-        limit = _SMALL_RECV if self._small_reads else _RECV_SIZE
-        try:
-            n = sock.recv_into(scratch.recv, limit)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as e:
-            self._fail(e)
-            return False
-        if n == 0:
-            self._fail(ConnectionLost("peer closed the connection"))
-            return False
+        small = self._small_reads or holder.budget.tight
+        limit = _SMALL_RECV if small else _RECV_SIZE
         inbio = self.inbio
-        inbio.write(scratch.recv_view[:n])
+        backlog = self._tls_backlog
+        if backlog:  # the last turn left plaintext in TLS: parse it before reading again
+            self._tls_backlog = False
+            n = limit
+        else:
+            try:
+                n = sock.recv_into(scratch.recv, limit)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as e:
+                self._fail(e)
+                return False
+            if n == 0:
+                self._fail(ConnectionLost("peer closed the connection"))
+                return False
+            inbio.write(scratch.recv_view[:n])
         read = self._tls_read
         pending = self._tls_pending
         plain = scratch.plain_view
-        size = _PLAIN_SIZE
+        size = _SMALL_PLAIN if self._small_reads else _PLAIN_SIZE
         # Decrypt while a whole record may be there: input left in the BIO or plaintext left in
         # OpenSSL. Once complete records are consumed the BIO is empty (a partial record moves
         # into OpenSSL's buffer on the read that raises SSLWantReadError), so a small message
@@ -781,6 +875,9 @@ class HboneConnection:
                 self._feed(plain[:got])
             if got < size or self.closed.done():
                 break
+            if self._small_reads:  # one slice per turn; the rest stays in TLS
+                self._tls_backlog = True
+                break
         if self.h2.has_output or self.outbio.pending:  # (WINDOW_UPDATE, ACKs, RST, alerts)
             self.flush()
         if self._closing or self.closed.done():
@@ -791,9 +888,9 @@ class HboneConnection:
             # (_on_writable resumes). DATA is not counted: bridges stop at _HIGH_WATER, and a
             # connection that stopped reading on bulk backlog alone could deadlock with a peer
             # doing the same.
-            self._pause_input()
+            self._pause(_PAUSE_BACKLOG)
             return False
-        if n < limit:  # drained: see _READ_BATCH
+        if n < limit and not self._tls_backlog:  # drained: see _READ_BATCH
             if (err := _socket_error(sock)) is not None:
                 self._fail(err)
             return False
@@ -802,14 +899,16 @@ class HboneConnection:
     def _feed(self, data: memoryview) -> None:
         if self.closed.done():
             return
+        h2c = self.h2
         try:
-            events = self.h2.receive_data(data)
+            frames = h2c.frames_received
+            events = h2c.receive_data(data)
             # Frame-dense input is read in small pieces (see _SMALL_RECV), until a real sample
-            # (4 KiB or more) averages 256 bytes or more per event.
-            ne, nd = len(events), len(data)
-            if ne > (nd >> 6) + 8:
+            # (4 KiB or more) averages 256 bytes or more per frame.
+            nf, nd = h2c.frames_received - frames, len(data)
+            if nf > (nd >> 6) + 8:
                 self._small_reads = True
-            elif self._small_reads and nd >= 4096 and ne << 8 < nd:
+            elif self._small_reads and nd >= _SMALL_PLAIN and nf << 8 < nd:
                 self._small_reads = False
         except h2.RemoteProtocolError as e:
             # The GOAWAY goes out first, whatever the events do; the socket then closes
@@ -842,9 +941,9 @@ class HboneConnection:
                     continue
                 if (early := self._early.get(ev.stream_id)) is not None:
                     # Copied: the decrypt buffer is reused on the next read.
-                    early.append(
-                        h2.DataReceived(ev.stream_id, bytes(ev.data), ev.flow_controlled_length)
-                    )
+                    copy = bytes(ev.data)
+                    early.append(h2.DataReceived(ev.stream_id, copy, ev.flow_controlled_length))
+                    self._holder.hold(len(copy))
                 else:
                     self.h2.acknowledge_received_data(ev.stream_id, ev.flow_controlled_length)
                 continue
@@ -874,9 +973,12 @@ class HboneConnection:
             elif isinstance(ev, h2.StreamReset):
                 fut = self._responses.pop(ev.stream_id, None)
                 if fut is not None and not fut.done():
-                    fut.set_exception(
-                        HboneError(f"stream reset before response, code {ev.error_code}")
+                    cls = (
+                        StreamRefused
+                        if ev.error_code == h2.ErrorCode.REFUSED_STREAM
+                        else HboneError
                     )
+                    fut.set_exception(cls(f"stream reset before response, code {ev.error_code}"))
                 if (b := self._bridges.get(ev.stream_id)) is not None:
                     b.on_reset(ev.error_code)
                 elif (early := self._early.get(ev.stream_id)) is not None:
@@ -884,6 +986,7 @@ class HboneConnection:
                         # Nothing of it will be delivered: free the copies now.
                         for e in early:
                             if isinstance(e, h2.DataReceived):
+                                self._holder.release(len(e.data))
                                 self.h2.acknowledge_received_data(
                                     ev.stream_id, e.flow_controlled_length
                                 )
@@ -935,7 +1038,7 @@ class HboneConnection:
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
-        if not self._input_paused:
+        if not self._paused:
             self.loop.remove_reader(self.fd)
         if self._writer_armed:
             self.loop.remove_writer(self.fd)
@@ -956,6 +1059,8 @@ class HboneConnection:
         self._early.clear()
         for b in list(self._bridges.values()):
             b.abort(exc)
+        self._holder.release_all()  # (the early copies; the bridges released their own)
+        self._holder.resume = _no_resume  # (it pointed back here: no cycle is left)
         if self.protocol_error is not None:
             # (also with nothing left to send: closing with unread input would send a RST
             # that purges a GOAWAY still in the kernel's send queue)
@@ -1021,13 +1126,19 @@ class HboneConnection:
     async def open_stream(
         self, authority: str, headers: h2.Headers, *, reserved: bool = False
     ) -> tuple[int, h2.ResponseReceived]:
-        """Client side: send CONNECT and wait for the response headers.
+        """Client side: send CONNECT and wait for the response headers. Raises
+        :class:`StreamRefused` when the stream was not processed (retry it elsewhere).
 
         ``reserved``: the caller holds a reservation from the pool, converted into this stream."""
         try:
             if self.closed.done():
-                raise ConnectionLost(f"HBONE connection is closed: {self.error}")
-            sid = self.h2.open_stream(authority, headers)
+                raise StreamRefused(f"HBONE connection is closed: {self.error}")
+            try:
+                sid = self.h2.open_stream(authority, headers)
+            except h2.LocalProtocolError as e:
+                if e.error_code != h2.ErrorCode.REFUSED_STREAM:
+                    raise
+                raise StreamRefused(f"HBONE connection has no stream left: {e}") from None
         finally:
             if reserved:
                 self._reserved -= 1
@@ -1057,7 +1168,9 @@ class HboneConnection:
         stream limit, and bytes still owed for it go back to the connection window."""
         if self.closed.done():
             return
-        self._early.pop(stream_id, None)
+        for ev in self._early.pop(stream_id, ()):
+            if isinstance(ev, h2.DataReceived):
+                self._holder.release(len(ev.data))
         self.h2.release_stream(stream_id)
         if self.h2.has_output:
             self.flush()
@@ -1085,6 +1198,7 @@ class HboneConnection:
         """No bridge will be attached to this stream: release what was buffered for it."""
         for ev in self._early.pop(stream_id, ()):
             if isinstance(ev, h2.DataReceived):
+                self._holder.release(len(ev.data))
                 self.h2.acknowledge_received_data(stream_id, ev.flow_controlled_length)
 
     def bridge(
@@ -1107,6 +1221,7 @@ class HboneConnection:
         b.start()
         for ev in early:
             if isinstance(ev, h2.DataReceived):
+                self._holder.release(len(ev.data))  # (what the socket does not take is queued)
                 b.on_data(ev.data, ev.flow_controlled_length)
             elif isinstance(ev, h2.StreamEnded):
                 b.on_end_stream()

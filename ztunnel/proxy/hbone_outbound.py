@@ -22,6 +22,7 @@ from ztunnel.core.errors import (
 )
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
+from ztunnel.hbone.budget import DEFAULT_BUDGET, BufferBudget
 from ztunnel.hbone.headers import (
     BAGGAGE,
     X_FORWARDED_NETWORK,
@@ -30,7 +31,7 @@ from ztunnel.hbone.headers import (
     request_headers,
 )
 from ztunnel.hbone.pool import ConnectionPool, WorkloadKey
-from ztunnel.hbone.transport import HboneConnection, HboneError, tls_handshake
+from ztunnel.hbone.transport import HboneConnection, HboneError, StreamRefused, tls_handshake
 from ztunnel.identity.certs import WorkloadCertificate
 from ztunnel.identity.crl import CrlManager
 from ztunnel.identity.manager import CertificateError, CertificateSource
@@ -49,6 +50,10 @@ from ztunnel.proxy.sockets import SocketFactory
 
 log = logging.getLogger("ztunnel.proxy.hbone")
 
+# A stream the peer did not process (RST_STREAM REFUSED_STREAM, above a GOAWAY's last stream id)
+# is tried again on another pooled connection (RFC 9113 8.7), at most this many times.
+REFUSED_STREAM_RETRIES = 2
+
 
 class NetworkPolicyError(UpstreamConnectError):
     flag = ResponseFlag.NETWORK_POLICY
@@ -59,12 +64,21 @@ class HboneSettings:
     stream_window: int
     connection_window: int
     frame_size: int
+    buffer_budget: int = DEFAULT_BUDGET  # this process's share of ZTUNNEL_H2_BUFFER_BUDGET
 
     @classmethod
     def from_config(cls, cfg: Config) -> HboneSettings:
         return cls(
-            cfg.http2_stream_window_size, cfg.http2_connection_window_size, cfg.http2_frame_size
+            cfg.http2_stream_window_size,
+            cfg.http2_connection_window_size,
+            cfg.http2_frame_size,
+            # Split evenly: each worker process runs its own loop and budget (ARCHITECTURE.md).
+            max(1, cfg.h2_buffer_budget // max(1, cfg.num_worker_threads)),
         )
+
+    def budget(self) -> BufferBudget:
+        """The budget every HBONE connection of this process (its loop) holds bytes against."""
+        return BufferBudget.of_loop(asyncio.get_running_loop(), self.buffer_budget)
 
 
 async def dial_hbone(
@@ -111,7 +125,9 @@ async def dial_hbone(
         connection_window_size=settings.connection_window,
         max_frame_size=settings.frame_size,
     )
-    return HboneConnection(sock, sslobj, inbio, outbio, h2c, peer_chain=chain)
+    return HboneConnection(
+        sock, sslobj, inbio, outbio, h2c, peer_chain=chain, budget=settings.budget()
+    )
 
 
 def _recheck_new(
@@ -177,23 +193,31 @@ class HboneConnector:
         assert route.authority is not None
         src_id: Identity = source.identity
         rec.src_identity = src_id
-        try:
-            conn = await self.pool.checkout(
-                WorkloadKey(src_id, route.expected_identities, rec.src.ip, route.target)
-            )
-        except (ProxyError, CertificateError) as e:
-            rec.log_complete(e)
-            return None
+        key = WorkloadKey(src_id, route.expected_identities, rec.src.ip, route.target)
         headers = self._headers(route, rec)
-        try:
-            resp = await self._connect(conn, route, headers, rec, reserved=True)
+        refused: list[HboneConnection] = []  # (a handful at most: REFUSED_STREAM_RETRIES)
+        while True:
+            try:
+                conn = await self.pool.checkout(key, avoid=refused)
+            except (ProxyError, CertificateError) as e:
+                rec.log_complete(e)
+                return None
+            retry = len(refused) < REFUSED_STREAM_RETRIES
+            try:
+                resp = await self._connect(conn, route, headers, rec, reserved=True, retry=retry)
+            except StreamRefused as e:
+                self.pool.stream_done(conn)
+                log.debug("CONNECT to %s not processed (%s): retrying", route.authority, e)
+                refused.append(conn)
+                continue
+            except BaseException:
+                self.pool.stream_done(conn)
+                raise
             if resp is None:
                 self.pool.stream_done(conn)
                 return None
             sid = resp.stream_id
-        except BaseException:
-            self.pool.stream_done(conn)
-            raise
+            break
         if route.kind is not RouteKind.DOUBLE_HBONE:
             rec.dst_identity = _peer(conn)
             return conn, sid
@@ -216,11 +240,19 @@ class HboneConnector:
         rec: ConnectionRecord,
         *,
         reserved: bool = False,
+        retry: bool = False,
     ) -> h2.ResponseReceived | None:
         """Send the CONNECT on ``conn``: the response once the peer answered 200, else None
-        (logged as the connection's outcome, the stream reset or abandoned)."""
+        (logged as the connection's outcome, the stream reset or abandoned). With ``retry``, a
+        stream the peer did not process raises :class:`StreamRefused` instead (nothing logged:
+        the caller tries another connection)."""
         try:
             sid, resp = await conn.open_stream(str(route.authority), headers, reserved=reserved)
+        except StreamRefused as e:
+            if retry:
+                raise
+            rec.log_complete(H2Failure(f"CONNECT to {route.authority} failed: {e}"))
+            return None
         except (HboneError, h2.ProtocolError) as e:
             rec.log_complete(H2Failure(f"CONNECT to {route.authority} failed: {e}"))
             return None
@@ -281,7 +313,9 @@ class HboneConnector:
                 connection_window_size=self.settings.connection_window,
                 max_frame_size=self.settings.frame_size,
             )
-            inner = HboneConnection(near, sslobj, inbio, outbio, h2c, peer_chain=chain)
+            inner = HboneConnection(
+                near, sslobj, inbio, outbio, h2c, peer_chain=chain, budget=self.settings.budget()
+            )
             inner_headers = [*headers, (X_FORWARDED_NETWORK, self.config.network)]
             resp = await self._connect(inner, route, inner_headers, rec)
             if resp is None:

@@ -6,10 +6,11 @@ bytes. Error responses are headers-only with END_STREAM.
 
 Every accepted connection gets one access-log line however it ends ("connection failed" with
 the reason when it ends before a stream is served, as Rust's ``log_early_deny``). The HTTP/2
-endpoint holds each stream until its task is done (``hold_streams``), so a stream reset by the
-peer still counts against the 200-stream limit while its upstream connect runs (rapid reset);
-stream tasks start a batch per loop iteration; new streams are refused (REFUSED_STREAM) while
-the process is within its fd reserve, and malformed requests count against the peer's budget.
+endpoint holds each stream until its task is done (``hold_streams``): a stream closed on the wire
+(a rapid reset, say) no longer counts against the peer's 200-stream limit, but against the
+connection's budget of held streams while its upstream connect runs; stream tasks start a batch
+per loop iteration; new streams are refused (REFUSED_STREAM) while the process is within its fd
+reserve, and malformed requests count against the peer's budget.
 """
 
 from __future__ import annotations
@@ -264,7 +265,14 @@ class InboundHbone:
                 crl.untracked("destination", str(peer_id))
             chain = (*cert.intermediates, *cert.roots)
         conn = HboneConnection(
-            sock, sslobj, inbio, outbio, h2c, on_request=on_request, peer_chain=chain
+            sock,
+            sslobj,
+            inbio,
+            outbio,
+            h2c,
+            on_request=on_request,
+            peer_chain=chain,
+            budget=self.settings.budget(),
         )
         self.connections.add(conn)
         if (

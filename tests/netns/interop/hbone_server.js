@@ -10,9 +10,13 @@
 // whatever the :authority (a service hostname), the stream is piped to that fixed address, where
 // the destination's own HBONE server terminates the inner tunnel.
 //
+// With `refuseOnce` (a list of authorities) the first stream for each of them is reset with
+// REFUSED_STREAM before any work, as a server at its stream limit (or draining) would.
+//
 // Usage: node hbone_server.js '<json>' with port, cert, key, ca, trustDomain[, reply,
-// responseBaggage, forward].
-// Prints "READY <port>", then one JSON line per stream event.
+// responseBaggage, forward, refuseOnce].
+// Prints "READY <port>", then one JSON line per stream event; `client` is the client's TCP port,
+// which tells its HTTP/2 connections apart.
 'use strict';
 const fs = require('fs');
 const http2 = require('http2');
@@ -46,8 +50,16 @@ function splitAuthority(a) {
   return m ? { host: m[1], port: Number(m[2]) } : null;
 }
 
+const refuseOnce = new Set(cfg.refuseOnce || []);
+
 server.on('stream', (stream, headers) => {
   const sock = stream.session.socket;
+  if (refuseOnce.delete(headers[':authority'])) {
+    log({ event: 'refused', authority: headers[':authority'], client: sock.remotePort });
+    stream.on('error', () => {}); // (Node reports the reset it sent as an error)
+    stream.close(http2.constants.NGHTTP2_REFUSED_STREAM);
+    return;
+  }
   const info = {
     event: 'request',
     method: headers[':method'],
@@ -61,6 +73,7 @@ server.on('stream', (stream, headers) => {
     alpn: sock.alpnProtocol,
     tls: sock.getProtocol(),
     clientSan: sock.getPeerCertificate().subjectaltname,
+    client: sock.remotePort,
   };
   let target = info.method === 'CONNECT' ? splitAuthority(info.authority || '') : null;
   if (info.method === 'CONNECT' && info.authority && (cfg.reply !== undefined || cfg.forward)) {

@@ -357,6 +357,46 @@ def test_received_data_is_a_view_of_the_input() -> None:
     assert sum(e.flow_controlled_length for e in got) == 1000
 
 
+def test_small_data_frames_of_a_stream_are_joined_within_one_input() -> None:
+    # A peer sending tiny DATA frames (1-byte frames at line rate are legal) costs one event per
+    # stream and input, not one event, slice and iovec per frame; frames are still counted.
+    s, enc = raw_server()
+    for sid in (1, 3):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        s.send_response(sid, 200)
+    before = s.frames_received
+    wire = b"".join(frame(DATA, 0, 1 + 2 * (i % 2), b"%d" % (i % 10)) for i in range(1000))
+    ev = s.receive_data(wire + frame(DATA, FLAG_END_STREAM, 3, b"!"))
+    assert s.frames_received - before == 1001
+    assert [(type(e), getattr(e, "stream_id", None)) for e in ev] == [
+        (DataReceived, 1),
+        (DataReceived, 3),
+        (StreamEnded, 3),
+    ]
+    one, three = of(ev, DataReceived)
+    assert bytes(one.data) == b"02468" * 100 and one.flow_controlled_length == 500
+    assert bytes(three.data) == b"13579" * 100 + b"!" and three.flow_controlled_length == 501
+    s.acknowledge_received_data(1, 500)  # (the whole joined event is one acknowledgement)
+    # A lone small frame is still a slice of the input (no copy).
+    wire = frame(DATA, 0, 1, b"x")
+    (ev1,) = s.receive_data(wire)
+    assert isinstance(ev1, DataReceived) and isinstance(ev1.data, memoryview)
+    assert ev1.data.obj is wire
+
+
+def test_joined_data_keeps_the_order_of_a_stream() -> None:
+    # A large (not joined) payload between small ones: the later small ones start a new event,
+    # so the stream's bytes come out in order; padded frames join like the others.
+    s, enc = raw_server()
+    s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 1, connect_block(enc)))
+    big = b"B" * (h2mod.COALESCE_MAX + 1)
+    padded = frame(DATA, FLAG_PADDED, 1, b"\x03p" + b"\0" * 3)
+    wire = frame(DATA, 0, 1, b"a") + padded + frame(DATA, 0, 1, big) + frame(DATA, 0, 1, b"c")
+    ev = of(s.receive_data(wire + padded + frame(DATA, 0, 1, b"d")), DataReceived)
+    assert [bytes(e.data) for e in ev] == [b"ap", big, b"cpd"]
+    assert [e.flow_controlled_length for e in ev] == [2, len(big), 3]
+
+
 def test_byte_by_byte_feed() -> None:
     c, s = connected_pair()
     sid = c.open_stream("10.0.0.2:80", [("x-big", "v" * 3000)])
@@ -1572,30 +1612,60 @@ def test_resets_after_the_response_are_not_rapid_resets() -> None:
     assert not s.closed
 
 
-def test_held_streams_count_until_released() -> None:
-    # Attack 2: a stream reset by the peer keeps counting against MAX_CONCURRENT_STREAMS until
-    # the application's work for it ended (release_stream), so resets cannot multiply work.
+def test_closed_streams_still_at_work_do_not_count_against_the_stream_limit() -> None:
+    # RFC 9113 5.1.2: only open and half-closed streams count against MAX_CONCURRENT_STREAMS.
+    # A stream closed on the wire (ended both ways, or reset) whose work goes on is held, but a
+    # peer within the limit is never refused (Rust h2 ``Counts::transition_after`` frees the
+    # slot when the stream closes, whatever its handles).
     s, enc = raw_server(max_concurrent_streams=3, hold_streams=True)
     for sid in (1, 3, 5):
         assert of(
             s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc))),
             RequestReceived,
         )
-        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
-    assert s.open_streams == 0 and s.held_streams == 3
     s.data_to_send()
+    # One more than the limit while three are open: refused (REFUSED_STREAM).
     assert not of(
         s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 7, connect_block(enc))), RequestReceived
     )
     assert rst_codes(s) == {7: ErrorCode.REFUSED_STREAM}
+    s.receive_data(frame(RST_STREAM, 0, 1, struct.pack(">I", ErrorCode.CANCEL)))
+    s.send_response(3, 200)
+    s.send_data(3, b"", end_stream=True)
+    s.receive_data(frame(DATA, FLAG_END_STREAM, 3))
+    assert s.open_streams == 1 and s.held_streams == 2
+    s.data_to_send()
+    for sid in (9, 11):  # two slots are free on the wire: both are served
+        assert of(
+            s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc))),
+            RequestReceived,
+        )
+    assert rst_codes(s) == {}
     s.release_stream(1)
-    assert s.held_streams == 2
-    assert of(
-        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 9, connect_block(enc))), RequestReceived
-    )
+    assert s.held_streams == 1
     s.release_stream(1)  # twice: ignored
     s.release_stream(12345)  # unknown: ignored
-    assert s.held_streams == 2
+    assert s.held_streams == 1
+
+
+def test_held_streams_have_a_budget_of_their_own() -> None:
+    # Rapid reset against slow work: the streams reset on the wire are held while their work
+    # goes on; a new stream arriving while the held budget is spent ends the connection
+    # (ENHANCE_YOUR_CALM, as nghttp2 and Envoy answer abusive resets), so the work a
+    # connection causes stays within max_concurrent_streams + held_streams.
+    limits = h2mod.FloodLimits(held_streams=4, early_resets=1000, control_frames=10_000)
+    s, enc = raw_server(limits=limits, hold_streams=True)
+    for sid in (1, 3, 5, 7):
+        s.receive_data(frame(HEADERS, FLAG_END_HEADERS, sid, connect_block(enc)))
+        s.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", ErrorCode.CANCEL)))
+    assert s.held_streams == 4 and not s.closed
+    s.release_stream(1)  # work ended: room for one more
+    s.receive_data(frame(HEADERS, FLAG_END_HEADERS, 9, connect_block(enc)))
+    s.receive_data(frame(RST_STREAM, 0, 9, struct.pack(">I", ErrorCode.CANCEL)))
+    s.data_to_send()
+    expect_conn_error(
+        s, frame(HEADERS, FLAG_END_HEADERS, 11, connect_block(enc)), ErrorCode.ENHANCE_YOUR_CALM
+    )
 
 
 def test_without_hold_streams_a_reset_frees_the_slot() -> None:

@@ -135,3 +135,18 @@ async def test_goaway_closes_at_the_last_stream_and_a_closed_connection_leaves()
     fresh = await pool.checkout(KEY)
     assert fresh is not conn and len(dialled) == 2
     pool.close()
+
+
+@pytest.mark.both_loops
+async def test_a_connection_that_refused_the_stream_is_avoided_for_its_retry() -> None:
+    # RFC 9113 8.7: a refused stream is retried on another connection (HboneConnector): the
+    # pool hands out any other usable one, or dials a new one; others still get the first.
+    dialled: list[FakeConn] = []
+    pool = _pool(10.0, dialled)
+    first = await pool.checkout(KEY)
+    _end_stream(pool, first)
+    retry = await pool.checkout(KEY, avoid=[first])
+    assert retry is not first and len(dialled) == 2
+    assert await pool.checkout(KEY, avoid=[first]) is retry  # (max_streams=2: room for one more)
+    assert await pool.checkout(KEY) is first
+    pool.close()

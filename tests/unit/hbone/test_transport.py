@@ -21,6 +21,7 @@ import pytest
 from ztunnel.core.identity import Identity
 from ztunnel.hbone import h2conn as h2
 from ztunnel.hbone import transport
+from ztunnel.hbone.budget import BufferBudget
 from ztunnel.hbone.transport import (
     ConnectionLost,
     HboneConnection,
@@ -183,6 +184,112 @@ async def test_request_response_many_small_messages(contexts) -> None:
         t.upstream.close()
         # The connection carries on after the stream.
         assert not p.client.closed.done() and p.client.active_streams == 0
+
+
+@pytest.mark.both_loops
+async def test_a_busy_peer_gets_one_read_turn_per_loop_iteration(contexts) -> None:
+    """A socket that stays readable (a peer sending 1-byte DATA frames faster than they are
+    parsed) is read one turn per iteration of the loop, a frame-dense one 4 KiB of plaintext per
+    turn: at most one continuation is queued per reader. Before, each iteration of a socket that
+    stayed readable queued one more, and the loop soon ran dozens of that peer's turns per
+    iteration (tens of ms for everyone else)."""
+    loop = asyncio.get_running_loop()
+    async with hbone_pair(contexts) as p:
+        t = await p.tunnel()
+        (sid,) = p.client._bridges
+        one = struct.pack(">IBI", 1 << 8 | h2.DATA, 0, sid) + b"x"
+        p.client.send_frames(memoryview(one * 100_000))  # (wire-ready frames, 1 MB)
+        turns = 0
+        read = p.server._read_and_dispatch
+
+        def counted() -> bool:
+            nonlocal turns
+            turns += 1
+            return read()
+
+        p.server._read_and_dispatch = counted  # type: ignore[method-assign]
+        per_iteration: list[int] = []
+        done = loop.create_future()
+
+        def tick(seen: int) -> None:
+            per_iteration.append(turns - seen)
+            if len(per_iteration) < 100:
+                loop.call_soon(tick, turns)
+            else:
+                done.set_result(None)
+
+        await asyncio.sleep(0.05)  # (the frames are in the server's socket)
+        loop.call_soon(tick, turns)
+        await done
+        assert sum(per_iteration) >= 50  # the peer was served all along ...
+        assert max(per_iteration) <= 2, per_iteration  # ... a turn per iteration, not more
+        assert p.server.h2.frames_received >= 50 * 400
+        t.app.close()
+        t.upstream.close()
+
+
+@pytest.mark.both_loops
+async def test_early_data_past_the_budget_stops_the_reads_until_it_drains(contexts) -> None:
+    """DATA for a stream not bridged yet (its upstream connect pending) is copied and held,
+    against the process's budget: past it, the connection holding it is not read (TCP
+    back-pressure: 1 MiB sent, far less held); once the stream is bridged the bytes are
+    written out, released, and reading resumes; in the end nothing is held."""
+    budget = BufferBudget(64 << 10)
+    tc, ts = tcp_pair()
+    (cs, ci, co, _), (ss, si, so, _) = await asyncio.gather(
+        tls_handshake(tc, contexts[0], server_side=False),
+        tls_handshake(ts, contexts[1], server_side=True),
+    )
+    requests: list[int] = []
+    server = HboneConnection(
+        ts,
+        ss,
+        si,
+        so,
+        h2.H2Connection(False),
+        on_request=lambda conn, ev: requests.append(ev.stream_id),
+        keepalive=False,
+        budget=budget,
+    )
+    client = HboneConnection(tc, cs, ci, co, h2.H2Connection(True), keepalive=False)
+    try:
+        sid = client.h2.open_stream("10.0.0.2:8080")
+        client.flush()
+        data = payload(1 * MiB, 7)
+        frames = b"".join(
+            struct.pack(">IBI", (16 << 10) << 8 | h2.DATA, 0, sid) + data[k : k + (16 << 10)]
+            for k in range(0, len(data), 16 << 10)
+        )
+        client.send_frames(memoryview(frames))
+        for _ in range(200):
+            if server._paused & transport._PAUSE_BUDGET:
+                break
+            await asyncio.sleep(0.01)
+        assert server._paused & transport._PAUSE_BUDGET and requests == [sid]
+        assert budget.limit <= budget.used < 512 << 10  # (a read past the limit, not 1 MiB)
+        assert budget.waits == 1 and server._holder.held == budget.used
+        # The upstream connect completes: the stream is answered and bridged.
+        proxy_out, upstream = tcp_pair()
+        upstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        proxy_out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        server.respond(sid, 200, [], end_stream=False)
+        bridged = asyncio.ensure_future(server.bridge(sid, proxy_out))
+        assert await recv_exact(upstream, len(data)) == data
+        assert budget.used == 0 and budget.holders == 0 and not server._paused
+        # Held again (the upstream stops reading), then the connection goes: nothing stays.
+        client.send_frames(memoryview(frames))
+        for _ in range(200):
+            if budget.used:
+                break
+            await asyncio.sleep(0.01)
+        assert budget.used and server._holder.held == budget.used
+        server.close()
+        assert (await bridged).error is not None
+        assert budget.used == 0 and budget.holders == 0 and budget.waiting == 0
+        upstream.close()
+    finally:
+        client.close()
+        server.close()
 
 
 @pytest.mark.both_loops
@@ -633,28 +740,28 @@ async def test_input_pauses_while_the_peer_does_not_read(contexts) -> None:
         p.raw_server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         ping = _raw_frame(h2.PING, 0, 0, b"12345678") * 4096
         for _ in range(400):
-            if p.server._input_paused:
+            if p.server._paused & transport._PAUSE_BACKLOG:
                 break
             p.client._tls_write(ping)
             p.client._push()
             await asyncio.sleep(0.01)
-        assert p.server._input_paused
+        assert p.server._paused & transport._PAUSE_BACKLOG
         assert p.server._out_size < 4 * MiB  # bounded: not 1:1 with what the client sent
         pauses = [0]
-        pause = p.server._pause_input
+        pause = p.server._pause
 
-        def counting_pause() -> None:
+        def counting_pause(why: int) -> None:
             pauses[0] += 1
-            pause()
+            pause(why)
 
-        p.server._pause_input = counting_pause  # type: ignore[method-assign]
+        p.server._pause = counting_pause  # type: ignore[method-assign]
         p.client.loop.add_reader(p.client.fd, p.client._on_readable)
         # Resumed once the client reads (it may pause again on the pings still queued).
         for _ in range(500):
-            if not p.server._input_paused or pauses[0]:
+            if not p.server._paused & transport._PAUSE_BACKLOG or pauses[0]:
                 break
             await asyncio.sleep(0.01)
-        assert not p.server._input_paused or pauses[0]
+        assert not p.server._paused & transport._PAUSE_BACKLOG or pauses[0]
 
 
 @pytest.mark.both_loops
