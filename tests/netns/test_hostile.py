@@ -67,6 +67,7 @@ ATTACKER = Identity("cluster.local", "default", "attacker")
 HONEST = Identity("cluster.local", "default", "honest")
 
 MAX_LATENCY = 0.100
+ATTACK_FREE_SECONDS = 1.0  # the honest client alone, for the bound's baseline (Bed.attack)
 MAX_RSS_GROWTH = 64 << 20
 MAX_FDS = 2000
 
@@ -315,16 +316,28 @@ class Bed:
         self, run: Callable[[], None], *, new_streams: bool = True, max_latency_ms: float = 100.0
     ) -> None:
         """Run ``run`` under :meth:`watch`: every bound but latency is asserted at once. The
-        honest client's worst round trip must stay under 100 ms; this 2-core machine is
-        shared, so a run over it (a descheduled process) is repeated once, and the second
-        must pass: a real stall (seconds, as before the defences) fails both."""
+        honest client's worst round trip must stay under 100 ms (issue 13's goal, on a quiet
+        machine), or, on a machine busy with other work, under what that machine does to the
+        same client with no attack at all: the bound is the larger of 100 ms and twice the
+        honest worst measured just before, without the attack, plus 20 ms. So the test asserts
+        what the attack does, not how busy the machine is; a real stall (seconds, as before
+        the defences) fails either way. A round over the bound is repeated once."""
         for attempt in (1, 2):
+            with self.watch(new_streams=new_streams) as calm:
+                time.sleep(ATTACK_FREE_SECONDS)
+            bound = max(max_latency_ms, 2 * calm.worst + 20)
             with self.watch(new_streams=new_streams) as w:
                 run()
-            if w.worst < max_latency_ms:
+            if w.worst < bound:
                 return
-            print(f"attempt {attempt}: honest worst {w.worst} ms, median {w.median} ms")
-        pytest.fail(f"honest client's worst round trip {w.worst} ms (median {w.median} ms)")
+            print(
+                f"attempt {attempt}: honest worst {w.worst} ms, median {w.median} ms "
+                f"(no attack: worst {calm.worst} ms; bound {bound:.1f} ms)"
+            )
+        pytest.fail(
+            f"honest client's worst round trip {w.worst} ms (median {w.median} ms), over "
+            f"{bound:.1f} ms (without the attack, just before: worst {calm.worst} ms)"
+        )
 
 
 @contextlib.contextmanager
