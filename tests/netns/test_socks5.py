@@ -262,6 +262,11 @@ def test_hostile_clients_do_not_stop_an_honest_one(bed: Bed) -> None:
         for s in slow:  # closed by ztunnel at the deadline, without a reply
             s.settimeout(HANDSHAKE_TIMEOUT + 10)
             assert s.recv(10) == b""
+    # (A worker's log lines reach the harness a little after the fact: wait for the first.)
+    bed.z1.wait_for(
+        lambda r: "failed to negotiate socks connection" in str(r.get("message")), start=n1
+    )
+    time.sleep(0.5)
     lines = [
         r
         for r in bed.z1.records[n1:]

@@ -27,6 +27,7 @@ from ztunnel.config import (
     SOCKS5_HOST,
     SOCKS5_PORT,
     Config,
+    ProxyMode,
     WorkloadInfo,
 )
 from ztunnel.core.addr import IPAddr
@@ -108,6 +109,9 @@ class ProxyInstance:
                 config.user_timeout_enabled,
             ),
             budget=FdBudget(config.fd_reserve),
+            # In-pod, the listeners are marked too (Rust InPodSocketFactory); dedicated mode
+            # marks only what it dials (Rust MarkSocketFactory).
+            mark_listeners=config.proxy_mode is ProxyMode.SHARED,
         )
         if config.enable_orig_src is False or self_proxy:
             # ENABLE_ORIG_SRC=false: no spoofing on the upstream leg to the app either (Rust

@@ -41,6 +41,7 @@ class SocketFactory:
         netns_fd: int | None = None,
         socket_config: SocketConfig = _NO_KEEPALIVE,
         budget: FdBudget | None = None,
+        mark_listeners: bool = True,
     ) -> None:
         self.mark = mark
         # Sockets are refused (UpstreamConnectError) a reserve of fds before RLIMIT_NOFILE.
@@ -48,12 +49,18 @@ class SocketFactory:
         self.netns_fd = netns_fd
         self.socket_config = socket_config
         # The option values, computed once rather than from timedeltas on every socket: the
-        # mark and TCP_NODELAY on every stream socket (dialled and listening: accepted ones
-        # inherit them, so istio-cni's rules see the mark on both legs, as Rust's in-pod
-        # factory marks its listeners), keepalive on dialled ones and where asked on listeners.
+        # mark and TCP_NODELAY on every dialled stream socket, and on listening ones with
+        # ``mark_listeners`` (accepted ones inherit them, so istio-cni's rules see the mark on
+        # both legs: Rust's in-pod factory marks its listeners, its dedicated MarkSocketFactory
+        # only what it dials), keepalive on dialled ones and where asked on listeners.
         marked: tuple[SockOpt, ...] = ((socket.SOL_SOCKET, sockopt.SO_MARK, mark),) if mark else ()
-        self._base_opts = (*marked, (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
+        nodelay: SockOpt = (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._base_opts = (*marked, nodelay)
         self._sockopts = (*self._base_opts, *socket_config.options())
+        self.mark_listeners = mark_listeners
+        listen_base = self._base_opts if mark_listeners else (nodelay,)
+        self._listen_opts = listen_base
+        self._listen_keepalive_opts = (*listen_base, *socket_config.options())
         self.transparent_ok: bool | None = None  # learnt on first spoofed connect
         # Every listening socket made here, by (kind, family, address); with ``adopt`` set,
         # those sockets are taken instead of new ones being bound (data-plane workers serve the
@@ -120,7 +127,7 @@ class SocketFactory:
                 family=family,
                 reuse_port=reuse_port,
                 transparent=transparent,
-                options=self._sockopts if keepalive else self._base_opts,
+                options=self._listen_keepalive_opts if keepalive else self._listen_opts,
             )
         self.bound[key] = sock
         return sock
@@ -162,7 +169,7 @@ class SocketFactory:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                if self.mark:
+                if self.mark and self.mark_listeners:
                     sock.setsockopt(socket.SOL_SOCKET, sockopt.SO_MARK, self.mark)
                 sock.bind(addr)
                 sock.setblocking(False)

@@ -544,10 +544,10 @@ async def test_churn_soak_short_connections(path: str) -> None:
 
     async with echo_server() as echo_addr, tiny_proxy(echo_addr, pool, results) as proxy_addr:
         await asyncio.gather(*(one(i) for i in range(n_conns)))
-        # the last sessions finish right after their clients saw EOF
-        for _ in range(200):
-            if len(results) == n_conns:
-                break
+        # the last sessions finish right after their clients saw EOF (a busy machine may
+        # take a while to run them: what matters is that every one does)
+        deadline = asyncio.get_running_loop().time() + 20
+        while len(results) < n_conns and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
     assert len(results) == n_conns
     assert all(r.error is None for r in results), [r for r in results if r.error][:3]
