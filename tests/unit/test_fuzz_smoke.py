@@ -39,6 +39,14 @@ def test_short_atheris_run(name: str) -> None:
     with tempfile.TemporaryDirectory() as out:
         proc = subprocess.run(
             [
+                # libFuzzer's -rss_limit_mb reads the peak RSS (ru_maxrss), and Linux keeps a
+                # process's peak across execve: a fuzzer started straight from this pytest, whose
+                # own peak may pass 2 GiB after the netns suite, reports out-of-memory at once.
+                # A shell that forks the fuzzer (not exec) gives it a fresh peak of its own.
+                "sh",
+                "-c",
+                '"$@"; exit $?',
+                "sh",
                 sys.executable,
                 str(ROOT / "fuzz" / "run.py"),
                 name,
