@@ -54,7 +54,7 @@ def _hbone_echo(m: XdsMesh, msg: str) -> None:
             and r.get("src.identity") == "spiffe://cluster.local/ns/default/sa/sa-c1"
             and r.get("direction") == "inbound"
         ),
-        start=len(m.ztunnel_of("s1").records) - 50,
+        start=max(0, len(m.ztunnel_of("s1").records) - 50),
     )
 
 

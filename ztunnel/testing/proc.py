@@ -133,7 +133,7 @@ class ZtunnelProcess:
     ) -> Record:
         """Return the first record from index ``start`` on (already seen or new) matching ``pred``."""
         deadline = time.monotonic() + timeout
-        i = start
+        i = max(0, start)
         with self._cond:
             while True:
                 while i < len(self.records):
