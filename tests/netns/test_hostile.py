@@ -44,6 +44,7 @@ import pytest
 from ztunnel.core.identity import Identity
 from ztunnel.hbone.h2conn import ErrorCode
 from ztunnel.identity.certs import WorkloadCertificate
+from ztunnel.net import fdbudget
 from ztunnel.testing.apps import connect_from, listen_in, socket_in, start_app
 from ztunnel.testing.hbone import (
     HboneClient,
@@ -536,6 +537,7 @@ def test_6_fd_exhaustion(bed: Bed) -> None:
     def attack() -> None:
         for pid in pids:
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (zt.fd_count(pid) + 120, hard))
+        time.sleep(fdbudget.LIMIT_REFRESH_SECONDS + 0.2)  # (the budget rereads the limit)
         try:
             p = bed.peer()
             sids = [p.headers(f"{bed.m.b.ip4}:{ECHO}") for _ in range(150)]
@@ -553,6 +555,7 @@ def test_6_fd_exhaustion(bed: Bed) -> None:
         finally:
             for pid in pids:
                 resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+            time.sleep(fdbudget.LIMIT_REFRESH_SECONDS + 0.2)
 
     bed.attack(attack, new_streams=False)
     assert any("file descriptor budget" in str(r.get("error", "")) for r in zt.records) or any(

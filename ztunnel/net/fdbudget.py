@@ -8,8 +8,9 @@ those for the connections it already has and for its control plane.
 The check is O(1) and needs no bookkeeping: the kernel hands out the lowest free fd number, so a
 new fd numbered ``k`` means fds ``0..k-1`` are all open. An fd at or above ``limit - reserve``
 therefore proves the table is full up to there; it is closed at once and the caller refuses the
-work. The limit is read at each check (one ``getrlimit``), so lowering it with ``prlimit`` on a
-running process takes effect at once. After a refusal, :attr:`FdBudget.under_pressure` stays true
+work. The limit is read again at most once every ``LIMIT_REFRESH_SECONDS`` (a ``getrlimit`` per
+check was two syscalls per proxied connection), so lowering it with ``prlimit`` on a running
+process takes effect within that. After a refusal, :attr:`FdBudget.under_pressure` stays true
 for a short while, so work that has no fd to check yet (a new HBONE stream) is refused too.
 """
 
@@ -21,6 +22,7 @@ import time
 DEFAULT_RESERVE_MIN = 32
 DEFAULT_RESERVE_MAX = 1024
 PRESSURE_SECONDS = 0.2
+LIMIT_REFRESH_SECONDS = 1.0
 
 
 def default_reserve(soft_limit: int) -> int:
@@ -31,15 +33,24 @@ def default_reserve(soft_limit: int) -> int:
 class FdBudget:
     """``reserve``: fds kept free (None: :func:`default_reserve` of the current limit)."""
 
-    __slots__ = ("_pressure_until", "refused", "reserve")
+    __slots__ = ("_pressure_until", "_refresh_at", "_threshold", "refused", "reserve")
 
     def __init__(self, reserve: int | None = None) -> None:
         self.reserve = reserve
         self.refused = 0
         self._pressure_until = 0.0
+        self._threshold = 0
+        self._refresh_at = float("-inf")
 
     def threshold(self) -> int:
-        """The first fd number that is refused."""
+        """The first fd number that is refused (the limit read at most once a refresh period)."""
+        now = time.monotonic()
+        if now >= self._refresh_at:
+            self._threshold = self._read_threshold()
+            self._refresh_at = now + LIMIT_REFRESH_SECONDS
+        return self._threshold
+
+    def _read_threshold(self) -> int:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft < 0:  # RLIM_INFINITY (not on Linux, where NOFILE is always finite)
             return 1 << 62

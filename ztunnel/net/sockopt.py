@@ -128,8 +128,10 @@ def _seconds(d: timedelta) -> int:
     return max(1, int(d.total_seconds()))
 
 
-def peer_addr(sock: socket.socket) -> SocketAddr:
-    return _from_sockaddr(sock.getpeername())
+def peer_addr(sock: socket.socket, accepted: tuple[object, ...] | None = None) -> SocketAddr:
+    """The peer's address: ``accepted`` (what accept() returned, saving a ``getpeername``) when
+    given."""
+    return _from_sockaddr(sock.getpeername() if accepted is None else accepted)
 
 
 def local_addr(sock: socket.socket) -> SocketAddr:

@@ -9,6 +9,7 @@ the client's source IP when the kernel allows) and copy.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 from ztunnel.core.errors import AuthorizationDenied, SelfCallError
 from ztunnel.net.copy import CopyCounters
@@ -21,10 +22,11 @@ class InboundPassthrough:
     def __init__(self, ctx: ProxyContext) -> None:
         self.ctx = ctx
 
-    async def handle(self, sock: socket.socket) -> None:
+    async def handle(self, sock: socket.socket, peer: tuple[Any, ...] | None = None) -> None:
+        """Serve one accepted connection; ``peer`` is the address accept() returned."""
         ctx = self.ctx
         try:
-            src = peer_addr(sock)
+            src = peer_addr(sock, peer)
             dst = original_dst(sock)
         except OSError:
             return

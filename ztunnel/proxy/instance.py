@@ -194,7 +194,9 @@ class ProxyInstance:
                 sock = self._listen_socks5() if port == SOCKS5_PORT else self._listen(port)
                 lst = Listener(sock, handler, f"{self.name} {name}")
                 lst.budget = self.sockets.budget  # refuse connections within the fd reserve
-                lst.pass_peer = port == HBONE_PORT  # (an access-log line even once reset)
+                # accept()'s peer address: saves a getpeername (15001, 15006), and an access-log
+                # line for a connection reset before it is served (15008)
+                lst.pass_peer = port != SOCKS5_PORT
                 if self.ctx.metrics is not None:
                     lst.on_socket = _socket_gauge(self.ctx.metrics, reporter)
                     lst.on_refused = functools.partial(

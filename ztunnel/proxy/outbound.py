@@ -12,6 +12,7 @@ import logging
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ztunnel.core.addr import IPAddr, SocketAddr, canonical_ip
 from ztunnel.core.errors import ProxyError, ResponseFlag, reportable
@@ -66,20 +67,23 @@ class Outbound:
     async def handle(
         self,
         sock: socket.socket,
+        peer: tuple[Any, ...] | None = None,
+        *,
         src: SocketAddr | None = None,
         dst: SocketAddr | None = None,
         answer: Answer | None = None,
     ) -> None:
         """Route one outbound connection and carry it (Rust ``OutboundConnection::proxy_to``).
 
-        From 15001 only ``sock`` is given: the destination is its original one. SOCKS5 gives
+        From 15001 ``sock`` and ``peer`` (what accept() returned) are given: the destination is
+        the original one. SOCKS5 gives
         the client's address, the destination its CONNECT named, and ``answer``, which is told
         how it went before any byte is copied: None once the upstream is established (TCP
         connected, or HBONE's CONNECT answered 200), else the failure the access log names."""
         ctx = self.ctx
         if dst is None:
             try:
-                src = peer_addr(sock)
+                src = peer_addr(sock, peer)
                 dst = original_dst(sock)
             except OSError:
                 return  # the client is already gone

@@ -97,7 +97,7 @@ class Socks5:
             return
         finally:
             self.handshakes -= 1
-        await self.outbound.handle(sock, src, dst, functools.partial(_answer, sock))
+        await self.outbound.handle(sock, src=src, dst=dst, answer=functools.partial(_answer, sock))
 
     async def _negotiate(self, sock: socket.socket, src: SocketAddr) -> SocketAddr:
         """Rust ``negotiate_socks_connection``: the target the client asked for."""

@@ -38,10 +38,23 @@ def test_pressure_expires(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not b.under_pressure
 
 
-def test_the_limit_is_read_at_each_check(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_limit_is_read_again_within_a_refresh_period(monkeypatch: pytest.MonkeyPatch) -> None:
     limit = [1000]
-    monkeypatch.setattr(resource, "getrlimit", lambda _r: (limit[0], limit[0]))
+    reads = [0]
+
+    def getrlimit(_r: int) -> tuple[int, int]:
+        reads[0] += 1
+        return limit[0], limit[0]
+
+    now = [10.0]
+    monkeypatch.setattr(resource, "getrlimit", getrlimit)
+    monkeypatch.setattr(fdbudget.time, "monotonic", lambda: now[0])
     b = FdBudget(reserve=10)
-    assert b.admit(500)
+    assert b.admit(500) and b.admit(501)
+    assert reads == [1]  # (not one getrlimit per connection)
     limit[0] = 400  # lowered with prlimit on the running process
+    now[0] += fdbudget.LIMIT_REFRESH_SECONDS / 2
+    assert b.admit(500)
+    now[0] += fdbudget.LIMIT_REFRESH_SECONDS / 2
     assert not b.admit(500)
+    assert reads == [2]
