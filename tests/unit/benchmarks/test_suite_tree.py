@@ -28,9 +28,13 @@ def _load() -> ModuleType:
 
 suite = _load()
 
-# a parent that starts a busy child, which starts a busy grandchild, all of them living on
+# a parent that starts a busy child, which starts a busy grandchild, all of them living on;
+# each says who it is in one write() (print() makes one write per piece when PYTHONUNBUFFERED
+# is set, and the three processes' pieces then interleave in the pipe)
 _TREE = """
 import os, sys, time
+def say(who):
+    os.write(1, f"{who} {os.getpid()}\\n".encode())
 def spin(seconds):
     end = time.process_time() + seconds
     while time.process_time() < end:
@@ -38,14 +42,14 @@ def spin(seconds):
 if os.fork() == 0:
     if os.fork() == 0:
         spin(0.3)
-        print("grandchild", os.getpid(), flush=True)
+        say("grandchild")
         time.sleep(30)
         os._exit(0)
     spin(0.3)
-    print("child", os.getpid(), flush=True)
+    say("child")
     time.sleep(30)
     os._exit(0)
-print("parent", os.getpid(), flush=True)
+say("parent")
 time.sleep(30)
 """
 
