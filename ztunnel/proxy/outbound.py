@@ -76,10 +76,10 @@ class Outbound:
         """Route one outbound connection and carry it (Rust ``OutboundConnection::proxy_to``).
 
         From 15001 ``sock`` and ``peer`` (what accept() returned) are given: the destination is
-        the original one. SOCKS5 gives
-        the client's address, the destination its CONNECT named, and ``answer``, which is told
-        how it went before any byte is copied: None once the upstream is established (TCP
-        connected, or HBONE's CONNECT answered 200), else the failure the access log names."""
+        the original one. SOCKS5 gives the client's address, the destination its CONNECT named,
+        and ``answer``, which is told how it went before any byte is copied: None once the
+        upstream is established (TCP connected, or HBONE's CONNECT answered 200), else the
+        failure the access log names."""
         ctx = self.ctx
         if dst is None:
             try:
