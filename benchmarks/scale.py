@@ -509,6 +509,7 @@ def main() -> int:
     workers = [int(w) for w in (args.workers or ("1,2" if args.quick else "1,2,8")).split(",")]
     doc: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["python benchmarks/scale.py", *sys.argv[1:]]),
         "rows": [],
     }
     biggest = max(sizes)
