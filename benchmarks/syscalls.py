@@ -48,7 +48,7 @@ def parse_strace_summary(text: str) -> dict[str, int]:
 
 def count(p: Any, seconds: float, out: Path) -> dict[str, Any]:
     """strace -c -f over ``p``'s proxy trees during ``seconds`` of new connections."""
-    pids = sorted({pid for root in p.pids.values() for pid in suite.tree_cpu_by_pid(root)})
+    pids = sorted({pid for root in p.pids.values() for pid in suite.proc_tree(root)})
     argv = ["strace", "-c", "-f", "-o", str(out)]
     for pid in pids:
         argv += ["-p", str(pid)]

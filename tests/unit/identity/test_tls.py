@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
-import os
 import ssl
 from dataclasses import replace
 
@@ -32,6 +30,7 @@ from ztunnel.testing.certs import (
     not_yet_valid_certificate,
     refused_alert,
 )
+from ztunnel.testing.fds import open_fds
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -81,14 +80,12 @@ def test_contexts_are_cached_per_certificate(ca: LocalCA, server_cert: WorkloadC
 
 
 def test_loading_leaks_no_file_descriptors(ca: LocalCA) -> None:
-    gc.collect()  # (earlier tests' garbage, e.g. a State holding its store's fds, closed first)
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_fds()
     for _ in range(5):
         cert = ca.issue(SERVER)
         server_context(cert)
         client_context(cert)
-    gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert open_fds() == before
 
 
 def test_mutual_tls_handshake(

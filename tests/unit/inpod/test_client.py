@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -28,19 +27,13 @@ from ztunnel.inpod.protocol import (
     encode_snapshot_sent,
     netns_identity,
 )
+from ztunnel.testing.fds import open_fds
 from ztunnel.testing.nodeagent import Exchange, FakeNodeAgent, pod_info
 
 pytestmark = pytest.mark.timeout(30)
 
 NETNS = "/proc/self/ns/net"
 INFO = pod_info("app-1", "default", "app")
-
-
-def open_fds() -> int:
-    # (garbage of earlier tests first: a State in a reference cycle holds its store's fds until
-    # the collector runs, which could otherwise happen between two counts)
-    gc.collect()
-    return len(os.listdir("/proc/self/fd"))
 
 
 def own_netns() -> tuple[int, int]:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import errno
 import fcntl
-import gc
 import hashlib
 import os
 import random
@@ -23,6 +22,7 @@ import pytest
 
 from ztunnel.net import copy as copy_mod
 from ztunnel.net.copy import CopyCounters, CopyResult, PipePool, Side, copy_bidirectional
+from ztunnel.testing.fds import open_fds
 
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
@@ -38,13 +38,6 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
         a = socket.create_connection(lst.getsockname())
         b, _ = lst.accept()
     return a, b
-
-
-def open_fds() -> int:
-    # (garbage of earlier tests first: a State in a reference cycle holds its store's fds until
-    # the collector runs, which could otherwise happen between two counts)
-    gc.collect()
-    return len(os.listdir("/proc/self/fd"))
 
 
 def make_pool(path: str) -> PipePool | None:
