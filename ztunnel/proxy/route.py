@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ztunnel.config import ILLEGAL_PORTS
 from ztunnel.core.addr import HostnameAuthority, IPAddr, SocketAddr
@@ -43,9 +43,9 @@ class RouteKind(enum.Enum):
     DOUBLE_HBONE = "double-hbone"
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
-    """What to do with one outbound connection."""
+class Route(NamedTuple):
+    """What to do with one outbound connection: an immutable value (a named tuple, built in
+    half the time of a frozen dataclass, once per connection)."""
 
     kind: RouteKind
     target: SocketAddr  # the address actually dialled

@@ -32,6 +32,7 @@ import enum
 import functools
 import hashlib
 import ipaddress
+import itertools
 import marshal
 import pickle
 import random
@@ -141,6 +142,7 @@ _CACHE_SERVICES = 2048
 _CACHE_POLICIES = 1024
 _CACHE_STRINGS = 32768
 _CACHE_PICKS = 512
+_CACHE_ADDRESSES = 4096
 
 # An endpoint's summary, kept in the ``ep`` index beside its workload id: what load balancing
 # filters and ranks by, so a pick table is built without decoding any workload.
@@ -292,6 +294,14 @@ class _PickTable:
         return self.wids[bisect.bisect_right(self.cumulative, rng.randrange(self.total))]
 
 
+def _evict_oldest(cache: dict[Any, Any]) -> None:
+    """Make room in a full cache: its oldest quarter goes (a cache cleared whole when full
+    holds half its size on average; a service with more endpoints than the cache then misses
+    most of its picks)."""
+    for k in list(itertools.islice(cache, len(cache) // 4 + 1)):
+        del cache[k]
+
+
 class _Missing(dict[Any, Any]):
     """A dict that fills a missing key from ``load`` (which stores it): a cache whose hits cost
     a plain dict read, where the decoders look up every string of a record."""
@@ -331,6 +341,8 @@ class State:
     __slots__ = (
         "__weakref__",
         "_batch",
+        "_by_addr",
+        "_by_vip",
         "_changes",
         "_cidrs",
         "_commit_listeners",
@@ -394,6 +406,10 @@ class State:
         self._pols: dict[str, Authorization | None] = {}
         self._picks: dict[tuple[Any, ...], _PickTable] = {}
         self._cidrs: list[tuple[NetworkCidr, int]] | None = None  # (read once per snapshot)
+        # What the per-connection lookups answered in this snapshot (forgotten with it): the
+        # workload at an address, the best service at a VIP for a client namespace.
+        self._by_addr: dict[tuple[str, IPAddr], Workload | None] = {}
+        self._by_vip: dict[tuple[str, IPAddr, str | None], Service | None] = {}
         # Bumped whenever lookups start reading another snapshot (a renew, a batch opened):
         # what was validated against the store at one serial holds until the next.
         self._serial = 0
@@ -451,8 +467,15 @@ class State:
             env.set_mapsize(0)
             self._rtxn = env.begin()
         self._open_cursors()
+        self._new_snapshot()
+
+    def _new_snapshot(self) -> None:
+        """Lookups read another snapshot from now on: what was read from the last one is
+        checked again (``_serial``) or forgotten."""
         self._serial += 1
         self._cidrs = None
+        self._by_addr.clear()
+        self._by_vip.clear()
 
     def batch(self) -> _Batch:
         """``with state.batch():`` applies every change made inside as one transaction:
@@ -470,8 +493,7 @@ class State:
             except lmdb.Error as e:
                 raise StoreError(f"cannot write to the state store: {e}") from None
             self._open_cursors()
-            self._serial += 1
-            self._cidrs = None
+            self._new_snapshot()
         elif self._failed:  # (an inner change failed: the transaction can only be aborted)
             raise StoreFull(self._full_message())
         self._depth += 1
@@ -575,6 +597,8 @@ class State:
         self._pols.clear()
         self._picks.clear()
         self._cidrs = None
+        self._by_addr.clear()
+        self._by_vip.clear()
         if self._store.writer:  # (a string of an aborted batch may be gone)
             self._ids.clear()
             self._ids[""] = 0
@@ -703,7 +727,7 @@ class State:
                 return None
             w = decode_workload(raw[8:], self._str, self._memo)
             if len(self._wls) >= _CACHE_WORKLOADS:
-                self._wls.clear()
+                _evict_oldest(self._wls)
             self._wls[wid] = w
         return w
 
@@ -725,7 +749,7 @@ class State:
             self.upsert_workload_record(workload_tuple(w, self._intern))
             wid = self._changes[-1].ref
             if len(self._wls) >= _CACHE_WORKLOADS:
-                self._wls.clear()
+                _evict_oldest(self._wls)
             self._wls[wid] = w  # (the caller's object: no decode for its next lookup)
 
     def upsert_workload_record(self, t: tuple[Any, ...]) -> None:
@@ -840,6 +864,18 @@ class State:
         return None if wid is None else self._workload(wid)
 
     def find_workload_by_addr(self, addr: NetworkAddress) -> Workload | None:
+        key = (addr.network, addr.address)
+        memo = self._by_addr
+        if key in memo:
+            return memo[key]
+        found = self._find_workload_by_addr(addr)
+        if self._wtxn is None:  # (an open batch may still change it)
+            if len(memo) >= _CACHE_ADDRESSES:
+                memo.clear()
+            memo[key] = found
+        return found
+
+    def _find_workload_by_addr(self, addr: NetworkAddress) -> Workload | None:
         # Exact: ::ffff:a.b.c.d is not a.b.c.d here (Rust keys by IpAddr; sockets canonicalise).
         net = self._id(addr.network)
         if net is None:
@@ -1105,6 +1141,18 @@ class State:
         """Rust ``ServiceStore::get_best_by_vip``: among the services on this exact VIP that
         are visible to a client in ``namespace`` (None: no filter), the best match
         (:func:`find_best_match`); else the best CIDR VIP containing it."""
+        key = (addr.network, addr.address, namespace)
+        memo = self._by_vip
+        if key in memo:
+            return memo[key]
+        found = self._find_service_by_vip(addr, namespace)
+        if self._wtxn is None:  # (an open batch may still change it)
+            if len(memo) >= _CACHE_ADDRESSES:
+                memo.clear()
+            memo[key] = found
+        return found
+
+    def _find_service_by_vip(self, addr: NetworkAddress, namespace: str | None) -> Service | None:
         slots = self.find_services_by_vip(addr)
         if slots:
             if len(slots) == 1 and namespace is None:

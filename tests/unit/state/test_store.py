@@ -31,7 +31,7 @@ from ztunnel.state.model import (
     Workload,
     WorkloadStatus,
 )
-from ztunnel.state.store import ChangeKind, State, StateChange
+from ztunnel.state.store import ChangeKind, State, StateChange, _evict_oldest
 
 SVC_KEY = "ns/svc.ns.svc.cluster.local"
 
@@ -652,3 +652,63 @@ async def test_wait_for_workload_gives_up_at_the_deadline() -> None:
     # A node filter is part of the match.
     s.upsert_workload(wl("a", "10.0.0.1", service_account="sa-a", node="n2"))
     assert await s.wait_for_workload("a", "ns", "sa-a", "n1", 0.05) is None
+
+
+# --- what a snapshot's lookups remember ---------------------------------------------------------
+
+
+def test_a_reader_remembers_address_lookups_only_until_it_reads_the_next_snapshot() -> None:
+    writer = State()
+    reader = State(store=writer.store.reader())
+    try:
+        assert reader.find_workload_by_addr(na("10.0.0.1")) is None
+        assert reader.find_service_by_vip(na("10.96.0.1"), "ns") is None
+        writer.upsert_workload(wl("a", "10.0.0.1"))
+        writer.upsert_service(svc("10.96.0.1"))
+        # The reader's snapshot is the old one until it is told of the commit, memo or not.
+        assert reader.find_workload_by_addr(na("10.0.0.1")) is None
+        reader.apply_changes([])
+        got = reader.find_workload_by_addr(na("10.0.0.1"))
+        assert got is not None and got.name == "a"
+        found = reader.find_service_by_vip(na("10.96.0.1"), "ns")
+        assert found is not None and found.name == "svc"
+        writer.remove_workload("c//v1/Pod/ns/a")
+        writer.remove_service(SVC_KEY)
+        reader.apply_changes([])
+        assert reader.find_workload_by_addr(na("10.0.0.1")) is None
+        assert reader.find_service_by_vip(na("10.96.0.1"), "ns") is None
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_the_vip_memo_is_per_client_namespace() -> None:
+    # Rust get_best_by_vip: the answer depends on the client's namespace (visibility, own
+    # namespace first), so one VIP may have a different answer for each.
+    state = State()
+    state.upsert_service(svc("10.96.0.1", ns="a", host="s.a.svc.cluster.local"))
+    state.upsert_service(svc("10.96.0.1", ns="b", host="s.b.svc.cluster.local"))
+    for ns in ("a", "b", "a", "b"):
+        found = state.find_service_by_vip(na("10.96.0.1"), ns)
+        assert found is not None and found.namespace == ns
+
+
+def test_inside_a_batch_lookups_see_the_batch_s_own_changes() -> None:
+    state = State()
+    with state.batch():
+        assert state.find_workload_by_addr(na("10.0.0.1")) is None
+        assert state.find_service_by_vip(na("10.96.0.1")) is None
+        state.upsert_workload(wl("a", "10.0.0.1"))
+        state.upsert_service(svc("10.96.0.1"))
+        assert state.find_workload_by_addr(na("10.0.0.1")) is not None
+        assert state.find_service_by_vip(na("10.96.0.1")) is not None
+        state.remove_workload("c//v1/Pod/ns/a")
+        assert state.find_workload_by_addr(na("10.0.0.1")) is None
+    assert state.find_workload_by_addr(na("10.0.0.1")) is None
+    assert state.find_service_by_vip(na("10.96.0.1")) is not None
+
+
+def test_a_full_cache_drops_its_oldest_quarter_not_everything() -> None:
+    cache = {i: i for i in range(100)}
+    _evict_oldest(cache)
+    assert list(cache) == list(range(26, 100))
