@@ -38,7 +38,7 @@ from ztunnel.identity.certs import WorkloadCertificate
 from ztunnel.identity.manager import SecretManager
 from ztunnel.metrics import RegistryValues, add_values, cumulative_families, merged_registry
 from ztunnel.proxy.instance import ProxyInstance
-from ztunnel.state.store import State, StateChange
+from ztunnel.state.store import State, StateChange, summarize
 from ztunnel.workers import messages as m
 from ztunnel.workers.ipc import Channel, ChannelClosed, encode
 from ztunnel.workers.zygote import Zygote
@@ -319,8 +319,10 @@ class WorkerPool:
 
     def _on_commit(self, changes: list[StateChange]) -> None:
         """Tell every worker what a commit changed (sent at once: a pod added, or an on-demand
-        answer, after it must reach the workers after it)."""
-        msg = m.StateChanged([(c.kind.value, c.key, c.removed, c.ref) for c in changes])
+        answer, after it must reach the workers after it); a big one summarized (a snapshot:
+        the workers forget what they decoded instead of reading a list of every pod)."""
+        told = summarize(changes)
+        msg = m.StateChanged([(c.kind.value, c.key, c.removed, c.ref) for c in told])
         payload = encode(msg)  # (once for every worker)
         for w in self.workers.values():
             w.send(msg, encoded=payload)

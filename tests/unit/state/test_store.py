@@ -31,7 +31,7 @@ from ztunnel.state.model import (
     Workload,
     WorkloadStatus,
 )
-from ztunnel.state.store import ChangeKind, State, StateChange, _evict_oldest
+from ztunnel.state.store import ChangeKind, State, StateChange, _evict_oldest, summarize
 
 SVC_KEY = "ns/svc.ns.svc.cluster.local"
 
@@ -712,3 +712,65 @@ def test_a_full_cache_drops_its_oldest_quarter_not_everything() -> None:
     cache = {i: i for i in range(100)}
     _evict_oldest(cache)
     assert list(cache) == list(range(26, 100))
+
+
+# --- a big commit, summarized for readers ----------------------------------------------------------
+
+
+def test_a_commit_past_the_threshold_is_summarized_with_its_policy_changes_kept() -> None:
+    wls = [StateChange(ChangeKind.WORKLOAD, f"uid{i}", ref=i) for i in range(5)]
+    pols = [StateChange(ChangeKind.POLICY, "ns/p"), StateChange(ChangeKind.POLICY, "ns/q", True)]
+    assert summarize(wls + pols, threshold=5) == wls + pols  # (5 workloads: named one by one)
+    more = [*wls, StateChange(ChangeKind.SERVICE, "ns/svc", ref=9)]
+    assert summarize(more + pols, threshold=5) == [StateChange(ChangeKind.MANY, ""), *pols]
+    many_policies = [StateChange(ChangeKind.POLICY, f"ns/p{i}") for i in range(50)]
+    assert summarize(many_policies, threshold=5) == many_policies
+
+
+def test_a_reader_told_many_reads_everything_again_and_its_subscribers_see_the_policies() -> None:
+    writer = State()
+    reader = State(store=writer.store.reader())
+    try:
+        writer.upsert_service(svc("10.96.0.1"))
+        writer.upsert_workload(wl("a", "10.0.0.1", ports={80: 8080}))
+        reader.apply_changes([])
+        old = reader.find_workload_by_uid("c//v1/Pod/ns/a")
+        assert old is not None and old.addresses == (parse_ip("10.0.0.1"),)
+        assert reader.find_service(SVC_KEY) is not None
+        told: list[StateChange] = []
+        writer.on_commit(lambda changes: told.extend(summarize(changes, threshold=2)))
+        seen: list[StateChange] = []
+        reader.subscribe(seen.append)
+        with writer.batch():
+            writer.upsert_workload(wl("a", "10.0.0.2", ports={80: 8080}))
+            writer.upsert_workload(wl("b", "10.0.0.3"))
+            writer.remove_service(SVC_KEY)
+            writer.upsert_policy(pol("p", "ns", PolicyScope.NAMESPACE))
+        assert [c.kind for c in told] == [ChangeKind.MANY, ChangeKind.POLICY]
+        reader.apply_changes(told)
+        assert seen == told
+        # Nothing decoded before the commit is served from a cache after it.
+        new = reader.find_workload_by_uid("c//v1/Pod/ns/a")
+        assert new is not None and new.addresses == (parse_ip("10.0.0.2"),)
+        assert reader.find_service(SVC_KEY) is None
+        assert reader.find_policy("ns/p") is not None
+    finally:
+        reader.close()
+        writer.close()
+
+
+async def test_many_wakes_every_waiter_to_look_again() -> None:
+    writer = State()
+    reader = State(store=writer.store.reader())
+    try:
+        waiting = asyncio.create_task(reader.wait_for_workload("a", "ns", "sa", None, 5))
+        other = asyncio.create_task(reader.wait_for_workload("x", "ns", "other", None, 0.5))
+        await asyncio.sleep(0.01)
+        writer.upsert_workload(wl("a", "10.0.0.1", service_account="sa"))
+        reader.apply_changes([StateChange(ChangeKind.MANY, "")])
+        found = await asyncio.wait_for(waiting, 1)
+        assert found is not None and found.name == "a"
+        assert await other is None  # (woken, looked, waited again until its deadline)
+    finally:
+        reader.close()
+        writer.close()
