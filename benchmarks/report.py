@@ -211,6 +211,10 @@ def workers_block(w: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ratio(peak: float | None, settled: float | None) -> str:
+    return f" ({peak / settled:.2f}x)" if peak and settled else ""
+
+
 def scale_block(doc: dict[str, Any]) -> list[str]:
     """The scale rows (``benchmarks/scale.py``, results/scale.json): memory and time by mesh size
     and worker count, and the decision cost."""
@@ -219,18 +223,20 @@ def scale_block(doc: dict[str, Any]) -> list[str]:
         f"Scale (`{doc.get('command', 'python benchmarks/scale.py')}`, {doc.get('started', '')}): "
         "a fake istiod holding the mesh, a dedicated ztunnel with its workers; PSS of the whole "
         "process tree once settled (the state store's pages counted once), the store's data file, "
-        "peak RSS during ingest (summed over processes: shared pages count in each), seconds from "
+        "peak RSS during ingest (summed over processes: shared pages count in each) and its ratio "
+        "to the RSS once settled (the same sum), seconds from "
         "start until readiness and until probes through 15001 go over HBONE, and a 1% rollout in "
         "one push. Plot: `benchmarks/results/scale.png`.",
         "",
-        "| pods / services | workers | PSS MiB | store file MiB | peak RSS MiB | ready s | "
-        "served s | 1% delta s | probes failed in the delta |",
+        "| pods / services | workers | PSS MiB | store file MiB | peak RSS MiB (x settled) | "
+        "ready s | served s | 1% delta s | probes failed in the delta |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc.get("rows", []):
         lines.append(
             f"| {r['pods']:,} / {r['services']:,} | {r['workers']} | {_f(r.get('pss_mib'), '.1f')} "
-            f"| {_f(r.get('store_file_mib'), '.1f')} | {_f(r.get('peak_rss_mib'), '.1f')} | "
+            f"| {_f(r.get('store_file_mib'), '.1f')} | {_f(r.get('peak_rss_mib'), '.1f')}"
+            f"{_ratio(r.get('peak_rss_mib'), r.get('rss_mib'))} | "
             f"{_f(r.get('ready_s'), '.1f')} | {_f(r.get('served_s'), '.1f')} | "
             f"{_f(r.get('delta_s'), '.2f')} | {r.get('delta_failed_probes', '-')} |"
         )

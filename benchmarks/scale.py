@@ -318,6 +318,7 @@ def run_one(pods: int, services: int, workers: int, mesh: meshgen.Mesh) -> dict[
             row["served_s"] = round(time.monotonic() - t0, 2)
             row["peak_rss_mib"] = round(sampler.stop() / 1024, 1)
             time.sleep(8)  # settled (the idle trimmer returns the ingest's freed heap)
+            row["rss_mib"] = round(rss_kib(zt.pid) / 1024, 1)
             pss, store_pss = pss_kib(zt.pid)
             store = store_file_kib(zt.pid)
             row["pss_mib"] = round(pss / 1024, 1)

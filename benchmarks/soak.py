@@ -9,7 +9,7 @@ Two test beds, one after the other:
 
 * the ``bench_hbone.py`` bed (pods ``a``/``b`` with a dedicated ztunnel each, ``c``/``d`` without):
   ``hbone-churn`` (``bench_hbone.py crr``: connect, 1-byte echo, close, a -> b over HBONE),
-  ``plaintext-churn`` (the same a -> d, ztunnel-a's TCP passthrough) and ``idle-2000`` (2,000
+  ``plaintext-churn`` (the same a -> d, ztunnel-a's TCP passthrough) and ``idle-N`` (``--idle-conns``, 2,000 by default:
   idle HBONE connections a -> b opened with ``suite.py idle``, held for the phase, then closed).
   Here ``POOL_UNUSED_RELEASE_TIMEOUT`` is 10 s (default 5 min), so the pooled HBONE connections
   are closed during the rest and what remains is memory, not open connections;
@@ -308,8 +308,10 @@ POOL_RELEASE = "10s"
 
 
 @contextlib.contextmanager
-def data_bed(loop: str) -> Iterator[dict[str, Any]]:
+def data_bed(loop: str, workers: int | None = None) -> Iterator[dict[str, Any]]:
     env = {"POOL_UNUSED_RELEASE_TIMEOUT": POOL_RELEASE}
+    if workers is not None:
+        env["ZTUNNEL_WORKER_THREADS"] = str(workers)
     with bh.testbed([], loop, haproxy=False, env=env) as bed:
         yield bed
 
@@ -360,13 +362,16 @@ def drive(args: argparse.Namespace) -> None:
     rest: float = args.rest_seconds or 30.0
     phases: list[dict[str, Any]] = []
     at_rest: dict[str, Any] = {}
-    want = set(args.phase or ["hbone-churn", "plaintext-churn", "idle-2000", "xds-workload-churn"])
+    idle = f"idle-{args.idle_conns}"
+    want = set(args.phase or ["hbone-churn", "plaintext-churn", "idle", "xds-workload-churn"])
+    if "idle" in want:
+        want = (want - {"idle"}) | {idle}
     if args.at_rest:
         return at_rest_only(args.loop, rest)
     started = time.monotonic()
     samples: dict[str, list[dict[str, Any]]] = {}
     if want - {"xds-workload-churn"}:
-        with data_bed(args.loop) as bed:
+        with data_bed(args.loop, args.workers) as bed:
             pods, zts = bed["pods"], bed["zts"]
             pids = {"ztunnel-a": zts["a"].pid, "ztunnel-b": zts["b"].pid}
             time.sleep(rest)  # start-up settled, the first idle trim done
@@ -378,13 +383,13 @@ def drive(args: argparse.Namespace) -> None:
             loads = {
                 "hbone-churn": crr_load(pods["a"], b, args.procs),
                 "plaintext-churn": crr_load(pods["a"], d, args.procs),
-                "idle-2000": idle_load(pods["a"], b, IDLE_CONNS),
+                idle: idle_load(pods["a"], b, args.idle_conns),
             }
             # Warm-up: the first connections of each kind build what lives as long as the process
             # (the pooled HBONE connection, TLS contexts, certificates, caches); not a residual.
             for name, load in loads.items():
                 if name in want:
-                    load(3.0 if name != "idle-2000" else 0.0)
+                    load(3.0 if name != idle else 0.0)
             time.sleep(min(10.0, rest))
             try:
                 for name, load in loads.items():
@@ -432,7 +437,8 @@ def drive(args: argparse.Namespace) -> None:
             "phase_seconds": seconds,
             "rest_seconds": rest,
             "crr_procs": args.procs,
-            "idle_conns": IDLE_CONNS,
+            "idle_conns": args.idle_conns,
+            "workers": args.workers,
             "xds_batch": args.batch,
         },
         "targets": {"slope_kib_per_min": T_SLOPE_KIB_PER_MIN, "residual_kib": T_RESIDUAL_KIB},
@@ -485,13 +491,17 @@ def main() -> None:
     ap.add_argument(
         "--phase",
         action="append",
-        choices=["hbone-churn", "plaintext-churn", "idle-2000", "xds-workload-churn"],
+        choices=["hbone-churn", "plaintext-churn", "idle", "xds-workload-churn"],
         help="run only these phases (repeatable)",
     )
     ap.add_argument(
         "--at-rest", action="store_true", help="only PSS at rest of both beds (about 2 minutes)"
     )
     ap.add_argument("--procs", type=int, default=2, help="churn client processes")
+    ap.add_argument(
+        "--idle-conns", type=int, default=IDLE_CONNS, help="HBONE connections of the idle phase"
+    )
+    ap.add_argument("--workers", type=int, help="ZTUNNEL_WORKER_THREADS of the data-plane bed")
     ap.add_argument("--batch", type=int, default=200, help="workloads per xDS push")
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--out", default=str(RESULTS / "soak.json"))
