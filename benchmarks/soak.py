@@ -387,7 +387,10 @@ def drive(args: argparse.Namespace) -> None:
             }
             # Warm-up: the first connections of each kind build what lives as long as the process
             # (the pooled HBONE connection, TLS contexts, certificates, caches); not a residual.
-            for name, load in loads.items():
+            # (The idle phase warms up with 100 connections: warming up with all of them would
+            # make the burst itself the baseline.)
+            warm = {**loads, idle: idle_load(pods["a"], b, min(100, args.idle_conns))}
+            for name, load in warm.items():
                 if name in want:
                     load(3.0 if name != idle else 0.0)
             time.sleep(min(10.0, rest))
