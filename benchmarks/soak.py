@@ -9,8 +9,9 @@ Two test beds, one after the other:
 
 * the ``bench_hbone.py`` bed (pods ``a``/``b`` with a dedicated ztunnel each, ``c``/``d`` without):
   ``hbone-churn`` (``bench_hbone.py crr``: connect, 1-byte echo, close, a -> b over HBONE),
-  ``plaintext-churn`` (the same a -> d, ztunnel-a's TCP passthrough) and ``idle-N`` (``--idle-conns``, 2,000 by default:
-  idle HBONE connections a -> b opened with ``suite.py idle``, held for the phase, then closed).
+  ``plaintext-churn`` (the same a -> d, ztunnel-a's TCP passthrough) and ``idle-N`` (``--phase
+  idle``: ``--idle-conns`` idle HBONE connections a -> b, 2,000 by default, opened with
+  ``suite.py idle``, held for the phase, then closed).
   Here ``POOL_UNUSED_RELEASE_TIMEOUT`` is 10 s (default 5 min), so the pooled HBONE connections
   are closed during the rest and what remains is memory, not open connections;
 * the ``ztunnel/testing/xdsbed.py`` bed (two nodes, shared-mode ztunnels fed by a fake node agent
