@@ -187,6 +187,11 @@ class Config:
     # Data-plane workers (Rust num_worker_threads, see worker_threads()): 1 runs everything in
     # one process; N >= 2 runs N worker processes beside a control-plane supervisor.
     num_worker_threads: int = 1
+    # Python-only: a worker grown by this many bytes of private memory over its fresh size,
+    # and idle, is replaced by a fresh one (workers/recycle.py; ZTUNNEL_WORKER_RECYCLE_MIB, 0
+    # never), checked every ZTUNNEL_WORKER_RECYCLE_INTERVAL.
+    worker_recycle_growth: int = 8 * MiB
+    worker_recycle_interval: timedelta = timedelta(seconds=30)
 
     # Observability (the *_port knobs are Python-only, ZTUNNEL_{ADMIN,STATS,READINESS}_PORT: two
     # ztunnels sharing one network namespace, as in tests, need different ones; 0 disables)
@@ -682,6 +687,9 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
     flush = e.duration("ZTUNNEL_METRICS_FLUSH_INTERVAL", timedelta(seconds=5))
     if flush.total_seconds() <= 0:
         raise ConfigError("ZTUNNEL_METRICS_FLUSH_INTERVAL", "must be positive")
+    recycle_every = e.duration("ZTUNNEL_WORKER_RECYCLE_INTERVAL", timedelta(seconds=30))
+    if recycle_every.total_seconds() <= 0:
+        raise ConfigError("ZTUNNEL_WORKER_RECYCLE_INTERVAL", "must be positive")
 
     dns_proxy, dns_proxy_addr = _dns_proxy(e, dict(pc.proxy_metadata) if pc is not None else {})
     enable_proxy = e.flag("ENABLE_PROXY", True)
@@ -754,6 +762,8 @@ def _build(e: _Env, pc: _ProxyConfig | None = None) -> Config:
         proxy_metadata=pc.proxy_metadata,
         concurrency=pc.concurrency,
         num_worker_threads=worker_threads(e.env, pc.concurrency),
+        worker_recycle_growth=e.integer("ZTUNNEL_WORKER_RECYCLE_MIB", 8, 0, 1 << 20) * MiB,
+        worker_recycle_interval=recycle_every,
         # ZTUNNEL_*_PORT (Python-only) first, then the mesh config's proxyAdminPort/statsPort.
         admin_port=e.integer(
             "ZTUNNEL_ADMIN_PORT",

@@ -11,7 +11,16 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ProcessFigures", "parse_limits_nofile", "parse_stat", "read", "start_time", "total"]
+__all__ = [
+    "ProcessFigures",
+    "parse_limits_nofile",
+    "parse_private_dirty",
+    "parse_stat",
+    "private_dirty",
+    "read",
+    "start_time",
+    "total",
+]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE_SIZE = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
@@ -48,6 +57,26 @@ def parse_limits_nofile(text: str) -> int | None:
             soft = line[len("Max open files") :].split()[0]
             return int(soft) if soft.isdigit() else None
     return None
+
+
+def parse_private_dirty(text: str) -> int | None:
+    """``Private_Dirty`` of ``/proc/<pid>/smaps_rollup``, in bytes: the pages only this process
+    holds and wrote (after a fork: those it unshared from its parent), which exiting gives back.
+    None if the line is missing."""
+    for line in text.splitlines():
+        if line.startswith("Private_Dirty:"):
+            fields = line.split()
+            return int(fields[1]) * 1024 if len(fields) > 1 and fields[1].isdigit() else None
+    return None
+
+
+def private_dirty(pid: int) -> int | None:
+    """``pid``'s private dirty bytes, or None once it is gone (or the kernel has no rollup)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return parse_private_dirty(f.read())
+    except OSError:
+        return None
 
 
 def read(pid: int) -> ProcessFigures | None:

@@ -87,3 +87,23 @@ def test_available_cpus_honours_the_cgroup_quota(tmp_path: object) -> None:
 def test_config_from_env() -> None:
     assert Config.from_env({"ZTUNNEL_WORKER_THREADS": "3"}).num_worker_threads == 3
     assert Config().num_worker_threads == 1  # (a Config built in code runs one process)
+
+
+def test_worker_recycling_knobs() -> None:
+    # Python-only (workers/recycle.py): no Rust counterpart.
+    cfg = Config.from_env({})
+    assert cfg.worker_recycle_growth == 8 << 20
+    assert cfg.worker_recycle_interval.total_seconds() == 30
+    cfg = Config.from_env(
+        {"ZTUNNEL_WORKER_RECYCLE_MIB": "0", "ZTUNNEL_WORKER_RECYCLE_INTERVAL": "500ms"}
+    )
+    assert cfg.worker_recycle_growth == 0  # never
+    assert cfg.worker_recycle_interval.total_seconds() == 0.5
+    for env in (
+        {"ZTUNNEL_WORKER_RECYCLE_MIB": "-1"},
+        {"ZTUNNEL_WORKER_RECYCLE_MIB": "lots"},
+        {"ZTUNNEL_WORKER_RECYCLE_INTERVAL": "0s"},
+    ):
+        with pytest.raises(ConfigError) as e:
+            Config.from_env(env)
+        assert e.value.var in env

@@ -48,6 +48,35 @@ def test_parse_limits_nofile(text: str, limit: int | None) -> None:
     assert proctree.parse_limits_nofile(text) == limit
 
 
+ROLLUP = """557d65b71000-7ffc50a64000 ---p 00000000 00:00 0                          [rollup]
+Rss:                1612 kB
+Pss:                 500 kB
+Shared_Clean:       1428 kB
+Private_Clean:        72 kB
+Private_Dirty:       112 kB
+Anonymous:           112 kB
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (ROLLUP, 112 * 1024),
+        (ROLLUP.replace("Private_Dirty:       112 kB\n", ""), None),
+        ("Private_Dirty:\n", None),
+        ("", None),
+    ],
+)
+def test_parse_private_dirty(text: str, want: int | None) -> None:
+    assert proctree.parse_private_dirty(text) == want
+
+
+def test_private_dirty_of_a_live_and_a_gone_process() -> None:
+    own = proctree.private_dirty(os.getpid())
+    assert own is not None and own > 1 << 20  # (an interpreter with pytest loaded)
+    assert proctree.private_dirty(2**22 + 1) is None  # (above pid_max's default range)
+
+
 def test_total_sums_and_takes_the_lowest_limit() -> None:
     tree = proctree.total(
         [
