@@ -1,7 +1,8 @@
 """Data-plane workers (``ZTUNNEL_WORKER_THREADS=2``), end to end in a pod with istio-cni's rules:
 connections spread over both workers, counted once in the metrics and listed once by the admin
-views; a killed worker is restarted and only its own connections are lost; /logging reaches the
-workers; SIGTERM drains them all."""
+views; a killed worker is restarted and only its own connections are lost; a worker a burst left
+grown is replaced by a fresh one once idle, and the connections it still has run on; /logging
+reaches the workers; SIGTERM drains them all."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class Bed:
 
 
 @contextlib.contextmanager
-def build(workers: str = "2") -> Iterator[Bed]:
+def build(workers: str = "2", env: dict[str, str] | None = None) -> Iterator[Bed]:
     with Testbed() as tb:
         n1 = tb.add_node("n1")
         client = n1.add_pod("client")
@@ -66,6 +67,7 @@ def build(workers: str = "2") -> Iterator[Bed]:
                 "PROXY_WORKLOAD_INFO": "default/client/client",
                 "NODE_NAME": "n1",
                 "ZTUNNEL_WORKER_THREADS": workers,
+                **(env or {}),
                 "LOCAL_XDS": f"""
 workloads:
 - uid: cluster1//v1/Pod/default/client
@@ -248,3 +250,61 @@ def test_one_worker_runs_in_one_process() -> None:
     with build("1") as b:
         assert not b.workers()
         assert not [r for r in b.zt.records if "data-plane workers" in r.get("message", "")]
+
+
+def test_a_worker_grown_by_a_burst_is_replaced_once_idle_and_its_connections_finish() -> None:
+    # workers/recycle.py, with a 1 MiB threshold checked every 200 ms.
+    env = {"ZTUNNEL_WORKER_RECYCLE_MIB": "1", "ZTUNNEL_WORKER_RECYCLE_INTERVAL": "200ms"}
+    with build(env=env) as b:
+        b.zt.wait_for(lambda r: r.get("message") == "2 data-plane workers running")
+        echo = start_app(b.ext, "echo", ports=(9105,))
+        first = b.workers()
+        burst = _hold(b, 9105, 600)  # (a few KiB each in the worker that accepted it)
+        keep = burst.pop()  # lives on through the recycling
+        (row,) = [
+            r
+            for r in b.connections()
+            if str(r["src"]).endswith(f":{keep.getsockname()[1]}")
+            and str(r["dst"]).endswith(":9105")
+        ]
+        owner = int(str(row["id"]).split("-")[0][1:])
+        opened = metric(b.metrics(), "istio_tcp_connections_opened_total", reporter="source")
+        for s in burst:
+            s.close()
+        ready: list[int] = []
+
+        def replaced() -> bool:
+            ready.append(http_get(b.client, 15021, "/healthz/ready")[0])
+            return b.workers().get(owner, first[owner]) != first[owner]
+
+        _wait(replaced, timeout=30)
+        assert set(ready) == {200}  # never unready while a fresh worker took the slot
+        assert any(
+            f"worker {owner} (pid {first[owner]}) holds" in r.get("message", "")
+            and "a fresh worker takes its place" in r.get("message", "")
+            for r in b.zt.records
+        )
+        # The old worker still serves the connection it had: it retires only once that ends.
+        keep.settimeout(5)
+        keep.sendall(b"still here\n")
+        assert recv_line(keep) == "still here"
+        assert os.path.exists(f"/proc/{first[owner]}")
+        retired = f"worker {owner} (pid {first[owner]}) retired"
+        assert not [r for r in b.zt.records if r.get("message") == retired]
+        keep.close()
+        b.zt.wait_for(lambda r: r.get("message") == retired, timeout=10)
+        _wait(lambda: not os.path.exists(f"/proc/{first[owner]}"))
+        # Its counts stay in the sums (no counter reset), and both slots serve new connections.
+        after = metric(b.metrics(), "istio_tcp_connections_opened_total", reporter="source")
+        assert after >= opened >= 600
+        closed = metric(b.metrics(), "istio_tcp_connections_closed_total", reporter="source")
+        assert closed >= 600
+        more = _hold(b, 9105, 20)
+        owners = {
+            str(r["id"]).split("-")[0] for r in b.connections() if str(r["dst"]).endswith(":9105")
+        }
+        assert owners == {"w0", "w1"}, owners
+        for s in more:
+            s.close()
+        assert http_get(b.client, 15021, "/healthz/ready")[0] == 200
+        echo.stop()

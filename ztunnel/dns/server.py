@@ -187,7 +187,7 @@ class DnsServer:
             lst.sock.close()
         self.tcp.clear()
 
-    async def drain(self, deadline: float) -> int:
+    async def drain(self, deadline: float | None) -> int:
         """Stop taking queries, let the ones in flight finish until ``deadline``; idle TCP
         connections close at once."""
         self._close_udp()

@@ -61,7 +61,7 @@ class Companion(Protocol):
     def bind(self) -> None: ...
     def start(self) -> None: ...
     def abort(self) -> None: ...
-    async def drain(self, deadline: float) -> int: ...
+    async def drain(self, deadline: float | None) -> int: ...
 
 
 CompanionBuilder = Callable[["ProxyInstance"], Sequence[Companion]]
@@ -270,9 +270,9 @@ class ProxyInstance:
     def active_connections(self) -> int:
         return sum(lst.active for lst in self.listeners)
 
-    async def drain(self, deadline: float) -> int:
+    async def drain(self, deadline: float | None) -> int:
         """Graceful: stop accepting, GOAWAY to HBONE peers, let connections finish until the
-        deadline, then cut the rest. Returns how many were cut."""
+        deadline (None: as long as they last), then cut the rest. Returns how many were cut."""
         self.inbound.send_goaway()
         cut = sum(
             await asyncio.gather(

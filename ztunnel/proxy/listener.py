@@ -176,8 +176,9 @@ class Listener:
         self._accepting = False
         self.sock.close()
 
-    async def drain(self, deadline: float) -> int:
-        """Wait up to ``deadline`` seconds for running connections, then cancel the rest.
+    async def drain(self, deadline: float | None) -> int:
+        """Wait up to ``deadline`` seconds (None: no limit) for running connections, then cancel
+        the rest.
 
         Returns how many were cut."""
         self.stop_accepting()

@@ -8,12 +8,16 @@ Supervisor -> worker:
                       the identity left the node
     AddPod            a pod's (or the dedicated proxy's) listening sockets, and its netns, as fds
     RemovePod         stop serving it (drain for ``deadline`` seconds), then Reply
-    Query             "metrics" | "live" | "stats" | "profile", then Reply
+    Query             "metrics" | "live" | "stats" | "connections" | "profile", then Reply
+    Retire            a fresh worker took this one's place (workers/recycle.py): stop
+                      accepting, let the connections finish, then Reply; its pods stay until
+                      then (a RemovePod still drains one with its deadline)
     Demanded          an on-demand xDS fetch the worker asked for has been answered
     SetLogLevel       a /logging change
     Sync              answered with Ready once everything sent before it is applied (the
                       state snapshot and the pods after a worker starts)
-(The supervisor stops a worker by closing its channel, once every pod was removed.)
+(The supervisor stops a worker by closing its channel, once every pod was removed or, retired,
+once it answered.)
 
 Worker -> supervisor:
     Ready             the answer to Sync; carries the pid
@@ -75,13 +79,18 @@ class AddPod:
 @dataclass(frozen=True, slots=True)
 class RemovePod:
     key: int
-    deadline: float
+    deadline: float | None  # (None: no limit)
+    request: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
     request: int
 
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    what: str  # "metrics" | "live" | "stats" | "profile" (args: seconds, frequency)
+    what: str  # "metrics" | "live" | "stats" | "connections" | "profile" (seconds, frequency)
     request: int
     args: tuple[Any, ...] = ()
 

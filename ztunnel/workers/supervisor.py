@@ -11,6 +11,11 @@ Each worker gets: the config; the path of the shared state store, which it maps 
 node's one copy of the state: ``ztunnel/state/shared.py``), then what every commit changed;
 certificates on request, and every renewal pushed; every pod's sockets. On-demand xDS lookups
 are forwarded here and answered once the state they brought was committed.
+
+A worker that a burst left well above its fresh size is replaced once idle
+(``workers/recycle.py``): a fresh one takes its slot and the old one retires, serving the
+connections it has until they finish. Everything sent to the workers reaches the retiring ones
+too, but new pods.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from prometheus_client import CollectorRegistry
 
+from ztunnel import proctree
 from ztunnel.admin.profiling import CpuProfile
 from ztunnel.admin.readiness import Readiness
 from ztunnel.config import Config
@@ -41,6 +47,7 @@ from ztunnel.proxy.instance import ProxyInstance
 from ztunnel.state.store import State, StateChange, summarize
 from ztunnel.workers import messages as m
 from ztunnel.workers.ipc import Channel, ChannelClosed, encode
+from ztunnel.workers.recycle import RecyclePolicy, Watch
 from ztunnel.workers.zygote import Zygote
 
 log = logging.getLogger("ztunnel.workers")
@@ -84,6 +91,7 @@ class _Worker:
     requests: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     certs: set[Identity] = field(default_factory=set)
     last_metrics: RegistryValues | None = None  # its series at the last scrape
+    watch: Watch = field(default_factory=Watch)  # its memory, for recycling
 
     def send(self, msg: Any, fds: Iterable[int] = (), *, encoded: bytes | None = None) -> bool:
         if self.channel is None or self.channel.closed:
@@ -119,7 +127,7 @@ class RemoteInstance(ProxyInstance):
             log.info("%s listening on %s:%d", lst.name, *lst.address)
         self.pool.add(self)
 
-    async def drain(self, deadline: float) -> int:
+    async def drain(self, deadline: float | None) -> int:
         # Our copies go first: the kernel queues stay only while some worker still listens
         # (each closes its own as its drain starts), so no connection waits in a queue that
         # nobody accepts from (another ztunnel bound beside us gets it instead).
@@ -158,7 +166,10 @@ class WorkerPool:
         self.registry = registry
         self.log_spec = config.rust_log
         self.token = readiness.register("workers")
-        self.workers: dict[int, _Worker] = {}
+        self.workers: dict[int, _Worker] = {}  # slot index -> the worker serving it
+        self.retiring: dict[int, _Worker] = {}  # slot index -> the one it replaced, finishing
+        self.recycle = RecyclePolicy(config.worker_recycle_growth)
+        self.recycles = 0
         self.pods: dict[int, RemoteInstance] = {}
         self.restarts = 0
         self._keys = 0
@@ -181,7 +192,11 @@ class WorkerPool:
 
     def pids(self) -> list[int]:
         """The other processes of this ztunnel: the zygote and the running workers."""
-        return [self.zygote.pid, *(w.pid for w in self.workers.values() if w.pid)]
+        return [self.zygote.pid, *(w.pid for w in self._all() if w.pid)]
+
+    def _all(self) -> list[_Worker]:
+        """Every worker process: those serving a slot, then those retiring."""
+        return [*self.workers.values(), *self.retiring.values()]
 
     def new_key(self) -> int:
         self._keys += 1
@@ -198,6 +213,8 @@ class WorkerPool:
         except (TimeoutError, ConnectionError) as e:
             raise WorkerStartError(f"data-plane workers did not start: {e!r}") from None
         log.info("%d data-plane workers running", self.n)
+        if self.recycle.growth > 0:
+            self._task(self._watch(self.config.worker_recycle_interval.total_seconds()))
 
     def _spawn(self, index: int) -> None:
         if self._closing:
@@ -222,6 +239,9 @@ class WorkerPool:
         w.send(m.Sync())
 
     def _on_close(self, w: _Worker) -> None:
+        if self.retiring.get(w.index) is w:
+            del self.retiring[w.index]
+            log.info("worker %d (pid %d) retired", w.index, w.pid)
         if w.last_metrics is not None:  # (what it counted up to its last scrape, kept)
             if self._cumulative is None:
                 self._cumulative = cumulative_families(self.registry)
@@ -245,8 +265,9 @@ class WorkerPool:
     async def close(self) -> None:
         """Stop every worker (their proxies were drained before) and the zygote."""
         self._closing = True
-        pids = [w.pid for w in self.workers.values() if w.pid]
-        for w in self.workers.values():
+        everyone = self._all()
+        pids = [w.pid for w in everyone if w.pid]
+        for w in everyone:
             if w.channel is not None:
                 w.channel.close()
         for task in list(self._tasks):
@@ -258,6 +279,51 @@ class WorkerPool:
             if pids:
                 await asyncio.sleep(0.02)
         self.zygote.close()
+
+    # --- recycling (workers/recycle.py) --------------------------------------------------------
+
+    async def _watch(self, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            for w in list(self.workers.values()):
+                if w.index not in self.retiring and w.pid and w.ready.done():
+                    await self._check(w)
+
+    async def _check(self, w: _Worker) -> None:
+        if w.channel is None or w.channel.closed:  # (dead: its restart is on the way)
+            return
+        connections = await self._ask_one(w, lambda rid: m.Query("connections", rid))
+        private = proctree.private_dirty(w.pid)
+        if not isinstance(connections, int) or private is None:
+            return
+        if self.workers.get(w.index) is w and w.watch.observe(self.recycle, private, connections):
+            self._replace(w, private, connections)
+
+    def _replace(self, w: _Worker, private: int, connections: int) -> None:
+        if self._closing:
+            return
+        self.recycles += 1
+        log.info(
+            "worker %d (pid %d) holds %.1f MiB more than when it started (%.1f MiB private) "
+            "with %d connection(s): a fresh worker takes its place",
+            w.index,
+            w.pid,
+            w.watch.grown(private) / (1 << 20),
+            private / (1 << 20),
+            connections,
+        )
+        self.retiring[w.index] = w  # (before the new one takes the slot: not a death)
+        self._spawn(w.index)
+        self._task(self._retire(w))
+
+    async def _retire(self, w: _Worker) -> None:
+        """Once the retiring worker has no connections left: its final counts, then it goes."""
+        await self._ask_one(w, lambda rid: m.Retire(rid), timeout=None)
+        final = await self._ask_one(w, lambda rid: m.Query("metrics", rid))
+        if final is not None:
+            w.last_metrics = final
+        if w.channel is not None:
+            w.channel.close()  # (it exits; _on_close keeps its counts)
 
     # --- messages from workers -----------------------------------------------------------------
 
@@ -305,12 +371,12 @@ class WorkerPool:
     # --- certificates --------------------------------------------------------------------------
 
     def _on_certificate(self, identity: Identity, cert: WorkloadCertificate) -> None:
-        for w in self.workers.values():
+        for w in self._all():
             if identity in w.certs:
                 w.send(m.Cert(identity, cert_bundle(cert)))
 
     def _on_forget(self, identity: Identity) -> None:
-        for w in self.workers.values():
+        for w in self._all():
             if identity in w.certs:
                 w.certs.discard(identity)
                 w.send(m.CertGone(identity))
@@ -324,7 +390,7 @@ class WorkerPool:
         told = summarize(changes)
         msg = m.StateChanged([(c.kind.value, c.key, c.removed, c.ref) for c in told])
         payload = encode(msg)  # (once for every worker)
-        for w in self.workers.values():
+        for w in self._all():
             w.send(msg, encoded=payload)
 
     # --- pods ----------------------------------------------------------------------------------
@@ -342,26 +408,27 @@ class WorkerPool:
             fds.insert(0, netns)
         w.send(m.AddPod(inst.key, inst.name, inst.info, keys, netns is not None), fds)
 
-    async def remove(self, inst: RemoteInstance, deadline: float) -> int:
+    async def remove(self, inst: RemoteInstance, deadline: float | None) -> int:
         """Every worker drains the pod (for ``deadline`` seconds); returns connections cut."""
         if self.pods.pop(inst.key, None) is None:
             return 0
         replies = await self._ask(
-            lambda rid: m.RemovePod(inst.key, deadline, rid), timeout=deadline + QUERY_TIMEOUT
+            lambda rid: m.RemovePod(inst.key, deadline, rid),
+            timeout=None if deadline is None else deadline + QUERY_TIMEOUT,
         )
         return sum(r for r in replies if isinstance(r, int))
 
     # --- requests ------------------------------------------------------------------------------
 
     def _up(self) -> list[_Worker]:
-        return [w for w in self.workers.values() if w.ready.done() and not w.ready.exception()]
+        return [w for w in self._all() if w.ready.done() and not w.ready.exception()]
 
-    async def _ask(self, make: Any, timeout: float = QUERY_TIMEOUT) -> list[Any]:
+    async def _ask(self, make: Any, timeout: float | None = QUERY_TIMEOUT) -> list[Any]:
         """Every running worker's answer (those that answered in time)."""
         got = await asyncio.gather(*(self._ask_one(w, make, timeout) for w in self._up()))
         return [g for g in got if g is not None]
 
-    async def _ask_one(self, w: _Worker, make: Any, timeout: float = QUERY_TIMEOUT) -> Any:
+    async def _ask_one(self, w: _Worker, make: Any, timeout: float | None = QUERY_TIMEOUT) -> Any:
         """One worker's answer, or None (gone, or no answer in time)."""
         self._requests += 1
         rid = self._requests
@@ -411,7 +478,8 @@ class WorkerPool:
         )
         values: list[RegistryValues] = []
         for w, got in zip(live, replies, strict=True):
-            if got is not None:
+            # (one that exited since it answered is in _retired already: not twice)
+            if got is not None and w.channel is not None and not w.channel.closed:
                 w.last_metrics = got
                 values.append(got)
         return merged_registry(self.registry, [*values, self._retired], self._metrics_memo)
@@ -424,13 +492,15 @@ class WorkerPool:
 
     def set_log_spec(self, spec: str) -> None:
         self.log_spec = spec
-        for w in self.workers.values():
+        for w in self._all():
             w.send(m.SetLogLevel(spec))
 
     def runtime_stats(self) -> dict[str, int]:
         return {
             "workers": sum(1 for w in self.workers.values() if w.pid),
             "worker_restarts": self.restarts,
+            "worker_recycles": self.recycles,
+            "workers_retiring": len(self.retiring),
         }
 
 

@@ -162,6 +162,8 @@ class Worker:
             self._add_pod(msg, fds)
         elif isinstance(msg, m.RemovePod):
             self._spawn(self._remove_pod(msg))
+        elif isinstance(msg, m.Retire):
+            self._spawn(self._retire(msg))
         elif isinstance(msg, m.Query) and msg.what == "profile":
             self._spawn(self._profile(msg))
         elif isinstance(msg, m.Query):
@@ -252,6 +254,17 @@ class Worker:
                     os.close(netns)
         self._send(m.Reply(msg.request, cut))
 
+    async def _retire(self, msg: m.Retire) -> None:
+        """Replaced by a fresh worker: accept nothing more (the others take the shared
+        queues), tell HBONE peers to open no new streams here, and answer once every connection
+        has finished, however long that takes (a RemovePod meanwhile cuts a pod's at its
+        deadline). The pods stay in ``proxies`` for RemovePod and the admin views."""
+        proxies = [p for p, _ in self.proxies.values()]
+        live = sum(p.active_connections for p in proxies)
+        log.info("worker %d retiring: waiting for %d connection(s) to finish", self.index, live)
+        await asyncio.gather(*(p.drain(None) for p in proxies))
+        self._send(m.Reply(msg.request, live))
+
     async def _stop(self, deadline: float) -> int:
         entries = list(self.proxies.values())
         self.proxies.clear()
@@ -282,6 +295,8 @@ class Worker:
                 key: [_snapshot(rec, prefix) for rec in proxy.ctx.tracker.live]
                 for key, (proxy, _) in self.proxies.items()
             }
+        if what == "connections":
+            return sum(p.active_connections for p, _ in self.proxies.values())
         if what == "stats":
             return self.dataplane.runtime_stats() if self.dataplane is not None else {}
         if what == "sync":  # (answered in order: everything sent before it is applied)
