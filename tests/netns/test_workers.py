@@ -279,18 +279,32 @@ def test_a_worker_grown_by_a_burst_is_replaced_once_idle_and_its_connections_fin
 
         _wait(replaced, timeout=30)
         assert set(ready) == {200}  # never unready while a fresh worker took the slot
-        assert any(
-            f"worker {owner} (pid {first[owner]}) holds" in r.get("message", "")
+        (replacing,) = [
+            i
+            for i, r in enumerate(b.zt.records)
+            if f"worker {owner} (pid {first[owner]}) holds" in r.get("message", "")
             and "a fresh worker takes its place" in r.get("message", "")
-            for r in b.zt.records
+        ]
+        # The old worker still serves the connection it had: it retires only once that ends,
+        # says what keeps it (every 20 checks), and no other worker is recycled meanwhile.
+        b.zt.wait_for(
+            lambda r: (
+                r.get("message")
+                == f"worker {owner} (pid {first[owner]}) still retiring: 1 connection(s) open"
+            ),
+            timeout=10,
         )
-        # The old worker still serves the connection it had: it retires only once that ends.
         keep.settimeout(5)
         keep.sendall(b"still here\n")
         assert recv_line(keep) == "still here"
         assert os.path.exists(f"/proc/{first[owner]}")
         retired = f"worker {owner} (pid {first[owner]}) retired"
         assert not [r for r in b.zt.records if r.get("message") == retired]
+        assert not [
+            r
+            for r in b.zt.records[replacing + 1 :]
+            if "a fresh worker takes its place" in r.get("message", "")
+        ]
         keep.close()
         b.zt.wait_for(lambda r: r.get("message") == retired, timeout=10)
         _wait(lambda: not os.path.exists(f"/proc/{first[owner]}"))

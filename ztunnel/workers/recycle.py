@@ -13,7 +13,8 @@ from the zygote, which exiting gives back) and its live connections. A worker th
 row is replaced: a new worker is forked from the zygote (a clean image) and takes its place,
 while the old one stops accepting, lets the connections it still has finish, and exits. The
 listening sockets stay open in the supervisor and the other workers meanwhile, so nothing is
-refused, and readiness does not change.
+refused, and readiness does not change. One worker retires at a time: a long-lived connection
+may keep a retiree for as long as it lasts, beside its replacement.
 
 The decision is pure (``Watch.observe``, table-tested); the supervisor reads the figures and acts.
 """

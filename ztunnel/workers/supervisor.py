@@ -56,6 +56,7 @@ START_TIMEOUT = 30.0
 QUERY_TIMEOUT = 5.0
 BARRIER_TIMEOUT = 60.0
 RESTART_DELAY = 1.0
+RETIRE_REPORT = 20  # recycling checks between the log lines of a worker still retiring
 MAX_BACKLOG = 64 * 1024 * 1024  # bytes queued to one worker (a stuck one is killed past it)
 
 
@@ -285,8 +286,12 @@ class WorkerPool:
     async def _watch(self, every: float) -> None:
         while True:
             await asyncio.sleep(every)
+            # One worker retires at a time: a retiree that a long-lived connection holds costs
+            # a worker's memory until it ends, so N + 1 processes at most, never 2N.
             for w in list(self.workers.values()):
-                if w.index not in self.retiring and w.pid and w.ready.done():
+                if self.retiring:
+                    break
+                if w.pid and w.ready.done():
                     await self._check(w)
 
     async def _check(self, w: _Worker) -> None:
@@ -318,7 +323,23 @@ class WorkerPool:
 
     async def _retire(self, w: _Worker) -> None:
         """Once the retiring worker has no connections left: its final counts, then it goes."""
-        await self._ask_one(w, lambda rid: m.Retire(rid), timeout=None)
+        every = RETIRE_REPORT * self.config.worker_recycle_interval.total_seconds()
+        done = asyncio.get_running_loop().create_task(
+            self._ask_one(w, lambda rid: m.Retire(rid), timeout=None)
+        )
+        try:
+            while not done.done():
+                await asyncio.wait({done}, timeout=every)
+                if not done.done():  # (what keeps it: no worker is recycled meanwhile)
+                    left = await self._ask_one(w, lambda rid: m.Query("connections", rid))
+                    log.info(
+                        "worker %d (pid %d) still retiring: %s connection(s) open",
+                        w.index,
+                        w.pid,
+                        left,
+                    )
+        finally:
+            done.cancel()
         final = await self._ask_one(w, lambda rid: m.Query("metrics", rid))
         if final is not None:
             w.last_metrics = final
