@@ -8,7 +8,8 @@ Supervisor -> worker:
                       the identity left the node
     AddPod            a pod's (or the dedicated proxy's) listening sockets, and its netns, as fds
     RemovePod         stop serving it (drain for ``deadline`` seconds), then Reply
-    Query             "metrics" | "live" | "stats" | "connections" | "profile", then Reply
+    Query             "metrics" | "live" | "stats" | "connections" | "recycle" | "profile",
+                      then Reply
     Retire            a fresh worker took this one's place (workers/recycle.py): stop
                       accepting, let the connections finish, then Reply; its pods stay until
                       then (a RemovePod still drains one with its deadline)
@@ -90,7 +91,8 @@ class Retire:
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    what: str  # "metrics" | "live" | "stats" | "connections" | "profile" (seconds, frequency)
+    what: str  # "metrics" | "live" | "stats" | "connections" | "recycle" | "profile" (args:
+    # seconds, frequency)
     request: int
     args: tuple[Any, ...] = ()
 

@@ -297,23 +297,28 @@ class WorkerPool:
     async def _check(self, w: _Worker) -> None:
         if w.channel is None or w.channel.closed:  # (dead: its restart is on the way)
             return
-        connections = await self._ask_one(w, lambda rid: m.Query("connections", rid))
+        got = await self._ask_one(w, lambda rid: m.Query("recycle", rid))
         private = proctree.private_dirty(w.pid)
-        if not isinstance(connections, int) or private is None:
+        if not isinstance(got, tuple) or private is None:
             return
-        if self.workers.get(w.index) is w and w.watch.observe(self.recycle, private, connections):
-            self._replace(w, private, connections)
+        connections, blocks = got
+        if self.workers.get(w.index) is w and w.watch.observe(
+            self.recycle, private, blocks, connections
+        ):
+            self._replace(w, private, blocks, connections)
 
-    def _replace(self, w: _Worker, private: int, connections: int) -> None:
+    def _replace(self, w: _Worker, private: int, blocks: int, connections: int) -> None:
         if self._closing:
             return
         self.recycles += 1
         log.info(
-            "worker %d (pid %d) holds %.1f MiB more than when it started (%.1f MiB private) "
-            "with %d connection(s): a fresh worker takes its place",
+            "worker %d (pid %d) holds %.1f MiB more than when it started, %.1f MiB of it "
+            "no longer in use (%.1f MiB private), with %d connection(s): a fresh worker takes "
+            "its place",
             w.index,
             w.pid,
             w.watch.grown(private) / (1 << 20),
+            w.watch.wasted(private, blocks) / (1 << 20),
             private / (1 << 20),
             connections,
         )

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -297,6 +298,11 @@ class Worker:
             }
         if what == "connections":
             return sum(p.active_connections for p, _ in self.proxies.values())
+        if what == "recycle":  # (workers/recycle.py: connections, objects held)
+            return (
+                sum(p.active_connections for p, _ in self.proxies.values()),
+                sys.getallocatedblocks(),
+            )
         if what == "stats":
             return self.dataplane.runtime_stats() if self.dataplane is not None else {}
         if what == "sync":  # (answered in order: everything sent before it is applied)

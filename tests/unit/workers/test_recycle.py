@@ -1,12 +1,12 @@
 """When the supervisor replaces a worker (``workers/recycle.py``; Python-only: Rust's threads give
 memory back to jemalloc, so it has no counterpart). One row per check: (private MiB, live
-connections) -> replace?"""
+connections[, allocated blocks]) -> replace?"""
 
 from __future__ import annotations
 
 import pytest
 
-from ztunnel.workers.recycle import RecyclePolicy, Watch
+from ztunnel.workers.recycle import BLOCK_BYTES, RecyclePolicy, Watch
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -14,9 +14,15 @@ MiB = 1 << 20
 POLICY = RecyclePolicy(growth=16 * MiB, idle_connections=2, idle_checks=2, min_age_checks=3)
 
 
-def run(checks: list[tuple[int, int]], policy: RecyclePolicy = POLICY) -> list[bool]:
+BLOCKS = 200_000  # (what a worker holds when nothing else grows)
+
+
+def run(checks: list[tuple[int, ...]], policy: RecyclePolicy = POLICY) -> list[bool]:
     watch = Watch()
-    return [watch.observe(policy, mib * MiB, conns) for mib, conns in checks]
+    out = []
+    for mib, conns, *blocks in checks:
+        out.append(watch.observe(policy, mib * MiB, blocks[0] if blocks else BLOCKS, conns))
+    return out
 
 
 @pytest.mark.parametrize(
@@ -36,9 +42,36 @@ def run(checks: list[tuple[int, int]], policy: RecyclePolicy = POLICY) -> list[b
         ([(8, 50), (8, 50), (8, 50), (24, 0), (24, 0)], [False, False, False, False, True]),
         # the fresh size is the lowest seen (a first check taken while it was still warming up)
         ([(20, 50), (8, 50), (8, 50), (24, 0), (24, 0)], [False, False, False, False, True]),
+        # grown as much, but with as many more objects held (caches filled with records: a
+        # fresh worker would grow back): not waste, kept
+        (
+            [
+                (8, 0),
+                (8, 0),
+                (8, 0),
+                (24, 0, BLOCKS + 16 * MiB // BLOCK_BYTES),
+                (24, 0, BLOCKS * 2),
+            ],
+            [False] * 5,
+        ),
+        # grown with objects that were then freed (a burst): the blocks came back down
+        (
+            [(8, 0), (8, 0), (40, 900, BLOCKS * 3), (40, 0, BLOCKS + 500), (40, 0, BLOCKS + 500)],
+            [False, False, False, False, True],
+        ),
+        # half of it still held: what is left over is below the threshold
+        (
+            [(8, 0), (8, 0), (8, 0), (30, 0, BLOCKS + 8 * MiB // BLOCK_BYTES)] * 2,
+            [False] * 8,
+        ),
+        # the fresh count is the fewest blocks seen: twice as many objects held since
+        (
+            [(8, 0, BLOCKS), (8, 0, BLOCKS * 2), (8, 0, BLOCKS * 2)] + [(24, 0, BLOCKS * 2)] * 2,
+            [False] * 5,
+        ),
     ],
 )
-def test_observe(checks: list[tuple[int, int]], want: list[bool]) -> None:
+def test_observe(checks: list[tuple[int, ...]], want: list[bool]) -> None:
     assert run(checks) == want
 
 
@@ -47,8 +80,11 @@ def test_growth_zero_never_replaces() -> None:
     assert run([(8, 0), (800, 0), (800, 0)], never) == [False, False, False]
 
 
-def test_grown() -> None:
+def test_grown_and_wasted() -> None:
     watch = Watch()
     assert watch.grown(5 * MiB) == 0  # (nothing seen yet)
-    watch.observe(POLICY, 8 * MiB, 0)
+    assert watch.wasted(5 * MiB, BLOCKS) == 0
+    watch.observe(POLICY, 8 * MiB, BLOCKS, 0)
     assert watch.grown(30 * MiB) == 22 * MiB
+    assert watch.wasted(30 * MiB, BLOCKS + 1000) == 22 * MiB - 1000 * BLOCK_BYTES
+    assert watch.wasted(30 * MiB, BLOCKS - 1000) == 22 * MiB  # (fewer objects: no credit)
