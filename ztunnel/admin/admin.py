@@ -202,15 +202,15 @@ class AdminHandler:
         self._quitting: asyncio.Task[None] | None = None
 
     async def __call__(self, req: Request) -> Response:
+        # Rust's admin server (``Service::spawn``): /, /config_dump and the pprof endpoints
+        # answer any method; /quitquitquit and /logging take POST; our two extras, GET/HEAD.
         path = req.path
         if path == "/":
-            return self._get_only(req) or Response(
-                200, index_page().encode(), "text/html; charset=utf-8"
-            )
+            return Response(200, index_page().encode(), "text/html; charset=utf-8")
         if path in ("/config_dump", "/debug/connections") and self.refresh is not None:
             await self.refresh()
         if path == "/config_dump":
-            return self._get_only(req) or self.config_dump()
+            return self.config_dump()
         if path == "/quitquitquit":
             if req.method != "POST":
                 return Response.empty(405)
@@ -222,11 +222,11 @@ class AdminHandler:
         if path == "/debug/connections":
             return self._get_only(req) or self.debug_connections()
         if path == "/debug/pprof/profile":
-            return self._get_only(req) or await self.cpu_profile(req)
+            return await self.cpu_profile(req)
         if path == "/debug/pprof/heap":
-            return self._get_only(req) or await self.heap_profile(req)
+            return await self.heap_profile(req)
         if path == "/debug/pprof/heap/profiling":
-            return self._get_only(req) or self.heap_toggle(req)
+            return self.heap_toggle(req)
         return Response.empty(404)
 
     @staticmethod

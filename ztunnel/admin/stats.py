@@ -215,9 +215,7 @@ class StatsHandler:
         coding = choose_encoding((v for k, v in req.headers if k == "accept-encoding"), COMPRESSORS)
         if req.path not in METRICS_PATHS:
             resp = Response.empty(404)
-        elif req.method not in ("GET", "HEAD"):
-            resp = Response.empty(405)
-        else:
+        else:  # (any method: Rust's handle_metrics does not look at it)
             async with self._lock:
                 body, used = await self._render(coding or IDENTITY)
             om = wants_openmetrics(v for k, v in req.headers if k == "accept")

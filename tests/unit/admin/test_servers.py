@@ -70,7 +70,9 @@ async def test_metrics_text_and_both_paths(registry: CollectorRegistry, mode: Re
             assert r.text.endswith("# EOF\n")
             assert "content-encoding" not in r.headers
         assert (await request(srv.port, "GET", "/nope")).status == 404
-        assert (await request(srv.port, "POST", "/metrics")).status == 405
+        # Rust handle_metrics: any method gets the body.
+        r = await request(srv.port, "POST", "/metrics")
+        assert r.status == 200 and r.text.endswith("# EOF\n")
     finally:
         await srv.close()
 
@@ -319,6 +321,8 @@ async def test_admin_index_and_404() -> None:
         assert r.headers["content-type"] == "text/html; charset=utf-8"
         for path in ("config_dump", "quitquitquit", "logging", "debug/pprof/profile"):
             assert f'<a href="{path}">' in r.text
+        # Rust handle_dashboard: any method.
+        assert (await request(srv.port, "POST", "/")).text == r.text
         assert (await request(srv.port, "GET", "/debug/pprof/nothing")).status == 404
     finally:
         await srv.close()
@@ -334,7 +338,9 @@ async def test_admin_config_dump_json() -> None:
         assert [w["uid"] for w in body["workloads"]] == ["u1"]
         assert body["config"]["proxyMode"] == "shared"
         assert body["staticConfig"] == {"workloads": [], "policies": [], "services": []}
-        assert (await request(srv.port, "POST", "/config_dump")).status == 405
+        # Rust handle_config_dump: any method.
+        r = await request(srv.port, "POST", "/config_dump")
+        assert r.status == 200 and [w["uid"] for w in json.loads(r.body)["workloads"]] == ["u1"]
     finally:
         await srv.close()
 
