@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ztunnel.cli")
 
 EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_CONFIG = 2
-EXIT_FORCED = 130
+EXIT_FAILURE = 1  # (Rust: main returned an error, an unknown command; also a bad setting)
+EXIT_CONFIG = 2  # ztunnel explain's bad input
+COMMANDS = ("proxy", "version", "help", "top", "explain")
 
 
 def version_info() -> dict[str, str]:
@@ -188,10 +188,10 @@ async def _run_proxy(config: Config, zygote: Zygote | None = None) -> int:
         nonlocal interrupts
         if sig == signal.SIGINT:
             interrupts += 1
-            if interrupts > 1:
-                log.warning("second interrupt: exiting now")
+            if interrupts > 1:  # Rust imp::shutdown: its words, and exit code 0
+                log.info("Double Ctrl+C, exit immediately")
                 logging.shutdown()  # the buffered log lines first (logs.BatchingHandler)
-                os._exit(EXIT_FORCED)
+                os._exit(EXIT_OK)
         log.info("received %s, starting graceful drain", sig.name)
         app.request_stop()
 
@@ -231,8 +231,6 @@ _reports: set[asyncio.Task[None]] = set()
 
 def _help(topic: str | None) -> int:
     """Rust ``help()``: the commands and the version; ``ztunnel help <command>``: its options."""
-    from ztunnel.admin.admin import build_info, istio_version_from_env
-
     parser = _parser()
     if topic:
         subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -241,11 +239,8 @@ def _help(topic: str | None) -> int:
             return EXIT_FAILURE
         subs.choices[topic].print_help()
         return EXIT_OK
-    # Rust prints its BuildInfo's Display: version.BuildInfo{Version:"..", ...}.
-    info = build_info(istio_version_from_env())
-    fields = ", ".join(f'{k[0].upper()}{k[1:]}:"{v}"' for k, v in info.items() if k != "gitTag")
     print(
-        f"\nIstio Ztunnel (version.BuildInfo{{{fields}}})\n\n"
+        f"\nIstio Ztunnel ({_build_info_line()})\n\n"
         "Commands:\n"
         "proxy (default) - Start the ztunnel proxy\n"
         "version         - Print the version of ztunnel\n"
@@ -256,7 +251,22 @@ def _help(topic: str | None) -> int:
     return EXIT_OK
 
 
+def _build_info_line() -> str:
+    """Rust ``BuildInfo``'s Display: ``version.BuildInfo{Version:"..", GitRevision:"..", ...}``."""
+    from ztunnel.admin.admin import build_info, istio_version_from_env
+
+    info = build_info(istio_version_from_env())
+    fields = ", ".join(f'{k[0].upper()}{k[1:]}:"{v}"' for k, v in info.items() if k != "gitTag")
+    return f"version.BuildInfo{{{fields}}}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        # Rust main: "unknown command: X", the help, exit 1 (argparse would say more, exit 2)
+        print(f"unknown command: {argv[0]}", file=sys.stderr)
+        _help(None)
+        return EXIT_FAILURE
     args = _parser().parse_args(argv)
     if args.command is None:  # Rust: no command runs the proxy
         args = _parser().parse_args(["proxy"])
@@ -266,18 +276,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ztunnel import top
 
         return top.main(args)
-    if args.command == "version":
-        info = version_info()
-        if args.json:
-            print(json.dumps(info))
-        else:
-            print(" ".join(f"{k}={v}" for k, v in info.items()))
+    if args.command == "version":  # Rust version(): the BuildInfo line (--json: ours)
+        print(json.dumps(version_info()) if args.json else _build_info_line())
         return EXIT_OK
     if args.command == "explain":
         return _explain(args)
     if args.command != "proxy":
         _parser().print_help()
-        return EXIT_CONFIG
+        return EXIT_FAILURE
 
     from ztunnel import logs
 
@@ -286,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.setup(config.log_format, config.rust_log)
     except (ConfigError, ValueError) as e:
         print(f"ztunnel: invalid configuration: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        return EXIT_FAILURE  # (Rust: parse_config's error returned from main)
     _raise_nofile_limit()
     if config.malloc_tuning:
         from ztunnel.net.malloc import tune_malloc

@@ -1540,7 +1540,7 @@ def test_graceful_drain_handover_goaway_and_exit_codes() -> None:
             others = [r for r in recs if r["src.addr"] != f"{a.ip4}:{long.port}"]
             assert len(others) == ok + 1 and not [r for r in others if "error" in r], others
 
-            # (d) a second SIGINT during a drain forces the exit, with a non-zero code.
+            # (d) a second SIGINT during a drain forces the exit (Rust imp::shutdown: code 0).
             held = connect_from(a, b.ip4, ECHO_PORT)  # keeps the new ztunnel's drain busy
             held.sendall(b"held\n")
             assert recv_exact(held, 5) == b"held\n"
@@ -1550,9 +1550,9 @@ def test_graceful_drain_handover_goaway_and_exit_codes() -> None:
             assert new.proc is not None and new.proc.returncode is None  # still draining
             t1 = time.monotonic()
             os.kill(new.pid, signal.SIGINT)
-            assert new.proc.popen.wait(5) == 130
+            assert new.proc.popen.wait(5) == 0
             assert time.monotonic() - t1 < 1.5
-            new.wait_for(lambda r: r.get("message") == "second interrupt: exiting now")
+            new.wait_for(lambda r: r.get("message") == "Double Ctrl+C, exit immediately")
             assert read_until_closed(held) == b""
             held.close()
 
@@ -1562,7 +1562,7 @@ def test_graceful_drain_handover_goaway_and_exit_codes() -> None:
             failed.wait_for(lambda r: "failed to start" in str(r.get("message")))
             # (PROXY_MODE is exact in Rust; LOG_FORMAT, used here before, never fails there)
             bad, rc = spawn(a, {**env_a, **ALT_PORTS, "PROXY_MODE": "Dedicated"})
-            assert rc == 2, bad.records[-5:]
+            assert rc == 1, bad.records[-5:]  # (Rust: main returns the error)
             bad.wait_for(lambda r: "invalid configuration: PROXY_MODE" in str(r.get("message")))
 
             # /quitquitquit: POST only; a graceful shutdown, exit 0.

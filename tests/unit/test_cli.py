@@ -53,6 +53,30 @@ def config(tmp_path: Path) -> Path:
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["version", "--json"]) == EXIT_OK
     assert json.loads(capsys.readouterr().out)["version"] == __version__
+    # Rust version(): BuildInfo's Display, one line.
+    assert main(["version"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith(f'version.BuildInfo{{Version:"{__version__}", GitRevision:"')
+    assert out.endswith('"}\n') and out.count("\n") == 1
+
+
+def test_an_unknown_command_prints_the_help_and_exits_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Rust main: "unknown command: X" on stderr, help() on stdout, process::exit(1).
+    assert main(["frobnicate"]) == EXIT_FAILURE
+    got = capsys.readouterr()
+    assert got.err == "unknown command: frobnicate\n"
+    assert "Istio Ztunnel (version.BuildInfo{" in got.out and "proxy (default)" in got.out
+
+
+def test_a_bad_setting_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rust main: parse_config's error is returned, so the exit code is 1.
+    monkeypatch.setenv("PROXY_MODE", "Dedicated")
+    assert main(["proxy"]) == EXIT_FAILURE
+    assert "invalid configuration: PROXY_MODE" in capsys.readouterr().err
 
 
 def test_explain_allowed(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
