@@ -149,10 +149,14 @@ def _fmt_value(v: object) -> str:
 
 
 class PlainFormatter(logging.Formatter):
+    """Rust's plain lines (``IstioFormat::format_event``): time, level, target without the
+    ``ztunnel::`` prefix (JSON's ``scope`` keeps it), message and fields, tab-separated."""
+
     def format(self, record: logging.LogRecord) -> str:
         ts = _timestamp(record)
-        target = "access" if record.name == "access" else record.name.replace(".", "::")
-        line = f"{ts}\t{_rust_level(record):5}\t{target}\t{record.getMessage()}"
+        name = record.name
+        target = name[8:] if name.startswith("ztunnel.") else name
+        line = f"{ts}\t{_rust_level(record)}\t{target.replace('.', '::')}\t{record.getMessage()}"
         fields: dict[str, Any] | None = getattr(record, "fields", None)
         if fields:
             line += " " + " ".join(f"{k}={_fmt_value(v)}" for k, v in fields.items())

@@ -38,10 +38,20 @@ def test_timestamps_have_microseconds() -> None:
     assert out["time"] == "2023-11-14T22:13:20.062500Z"
     line = PlainFormatter().format(_record(logging.WARNING))
     assert re.fullmatch(
-        r"2023-11-14T22:13:20\.062500Z\twarn \taccess\tconnection failed "
+        r"2023-11-14T22:13:20\.062500Z\twarn\taccess\tconnection failed "
         r'src\.addr=10\.0\.0\.1:1 error="no route"',
         line,
     ), line
+
+
+def test_plain_lines_drop_the_crate_prefix_of_the_target() -> None:
+    # Rust IstioFormat::format_event: target.strip_prefix("ztunnel::"), the level unpadded.
+    rec = logging.LogRecord("ztunnel.xds.client", logging.INFO, __file__, 1, "connected", (), None)
+    rec.created = 1700000000.0625
+    assert (
+        PlainFormatter().format(rec) == "2023-11-14T22:13:20.062500Z\tinfo\txds::client\tconnected"
+    )
+    assert json.loads(JsonFormatter().format(rec))["scope"] == "ztunnel::xds::client"
 
 
 def test_json_lines_are_the_merged_dict_encoded() -> None:
