@@ -166,7 +166,11 @@ class App:
                 verify_syscalls()
             except CapabilityError as e:
                 raise StartupError(str(e)) from None
+        # Rust app.rs / inpod/workloadmanager.rs names: "proxy" until the proxies are built,
+        # "state manager" until the state is known, "workload proxy manager" while the node
+        # agent's pods are not all in (shared mode); "workers" is ours.
         proxy_ready = self.readiness.register("proxy")
+        state_ready = self.readiness.register("state manager")
         self.load_local_config()
         try:
             policy, self.crl = tls_policy(cfg, self.registry)
@@ -193,9 +197,7 @@ class App:
             )
             self.workers.attach(dp)
         self._bind_servers()
-        xds_ready: ReadyToken | None = None
         if cfg.xds_address is not None:
-            xds_ready = self.readiness.register("xds")
             from ztunnel.xds.client import AdsClient
 
             self.xds = AdsClient(
@@ -230,7 +232,7 @@ class App:
                 raise StartupError(f"cannot bind the self-proxy listener: {e}") from None
             self.self_proxy = own
         self._serve_task = asyncio.get_running_loop().create_task(
-            self._serve_when_synced(xds_ready, proxy_ready)
+            self._serve_when_synced(state_ready, proxy_ready)
         )
         self._serve_task.add_done_callback(self._on_serve_done)
 
@@ -239,9 +241,7 @@ class App:
             log.error("failed to start serving: %s", e, exc_info=e)
             self.request_stop()
 
-    async def _serve_when_synced(
-        self, xds_ready: ReadyToken | None, proxy_ready: ReadyToken
-    ) -> None:
+    async def _serve_when_synced(self, state_ready: ReadyToken, proxy_ready: ReadyToken) -> None:
         """Serve only once the state is known (Rust ``app.rs``: the in-pod manager and the
         dedicated proxy's accept loop wait for the first xDS sync). Until then no pod is taken
         from the node agent and the dedicated listeners do not accept: their connections wait in
@@ -255,8 +255,7 @@ class App:
             log.info("xDS: initial sync complete")
         if self.workers is not None:
             await self.workers.barrier()
-        if xds_ready is not None:
-            xds_ready.done()
+        state_ready.done()
         if self.self_proxy is not None:
             self.self_proxy.start()
         if self.dedicated is not None:
@@ -267,16 +266,18 @@ class App:
         from ztunnel.inpod.manager import InPodManager
 
         assert self.dataplane is not None
+        pods_ready = self.readiness.register("workload proxy manager")
         self.inpod = InPodManager(
             self.dataplane.build,
-            on_change=lambda: self._inpod_readiness(proxy_ready),
+            on_change=lambda: self._inpod_readiness(pods_ready),
         )
         client = ZdsClient(
             str(cfg.inpod_uds),
             self.inpod,
-            on_snapshot_done=lambda: self._inpod_readiness(proxy_ready, snapshot=True),
-            on_disconnected=lambda: self._inpod_readiness(proxy_ready, snapshot=False),
+            on_snapshot_done=lambda: self._inpod_readiness(pods_ready, snapshot=True),
+            on_disconnected=lambda: self._inpod_readiness(pods_ready, snapshot=False),
         )
+        proxy_ready.done()
         self._zds_task = asyncio.get_running_loop().create_task(client.run())
         log.info("in-pod mode: waiting for pods from the node agent at %s", cfg.inpod_uds)
 

@@ -1337,8 +1337,14 @@ def test_inpod_readiness_follows_the_node_agent_and_config_dump_shows_pods() -> 
         zt = ZtunnelProcess(node, env).start()  # no node agent yet
         agents: list[FakeNodeAgent] = []
         try:
-            r = http(node, "127.0.0.1", 15021, "/healthz/ready")
-            assert (r.status, r.text) == (500, "not ready, pending: proxy\n")
+            # Rust WorkloadProxyManager::not_ready: the task named "workload proxy manager"
+            # (what stays pending once the state is in and the in-pod manager runs; "proxy"
+            # and "state manager" come first, until the workers hold the state)
+            alone = "not ready, pending: workload proxy manager\n"
+            deadline = time.monotonic() + 10
+            while (r := http(node, "127.0.0.1", 15021, "/healthz/ready")).text != alone:
+                assert r.status == 500 and time.monotonic() < deadline, r
+                time.sleep(0.05)
 
             agent = FakeNodeAgent(uds)
             agents.append(agent)
@@ -1367,7 +1373,7 @@ def test_inpod_readiness_follows_the_node_agent_and_config_dump_shows_pods() -> 
             # The node agent goes away: not ready until it is back and has resent the snapshot.
             agent.close()
             r = wait_ready_status(node, 500)
-            assert r.text == "not ready, pending: proxy\n"
+            assert r.text == "not ready, pending: workload proxy manager\n"
             time.sleep(0.3)
             assert http(node, "127.0.0.1", 15021, "/healthz/ready").status == 500
             agent = FakeNodeAgent(uds)

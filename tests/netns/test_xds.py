@@ -106,11 +106,11 @@ def _echo(mesh: XdsMesh, port: int, msg: str = "hi") -> str:
 
 
 def test_readiness_waits_for_the_first_sync(bed: Bed) -> None:
+    # (Rust app.rs: the task is named "state manager")
     for node in ("n1", "n2"):
-        status, body = bed.before[node]
-        assert status == 500 and "xds" in body.removeprefix("not ready, pending: "), (node, body)
-        status, body = bed.still[node]
-        assert status == 500 and "xds" in body.removeprefix("not ready, pending: "), (node, body)
+        for status, body in (bed.before[node], bed.still[node]):
+            pending = body.removeprefix("not ready, pending: ").rstrip("\n").split(", ")
+            assert status == 500 and "state manager" in pending, (node, body)
         assert bed.after[node] == (200, "ready\n")
     assert bed.streams_before == 0
     istiod = bed.mesh.istiod
