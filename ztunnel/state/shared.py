@@ -71,6 +71,7 @@ DB_NAMES = (
     "wlhost",
     "ep",
     "epver",
+    "eppick",
     "svc",
     "vip",
     "host",

@@ -9,8 +9,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from ztunnel.core.addr import parse_ip
+from ztunnel.state import store as store_module
 from ztunnel.state.model import (
     ApplicationTunnel,
     Authorization,
@@ -31,7 +34,15 @@ from ztunnel.state.model import (
     Workload,
     WorkloadStatus,
 )
-from ztunnel.state.store import ChangeKind, State, StateChange, _evict_oldest, summarize
+from ztunnel.state.shared import pack_i
+from ztunnel.state.store import (
+    ChangeKind,
+    State,
+    StateChange,
+    _evict_oldest,
+    _PickTable,
+    summarize,
+)
 
 SVC_KEY = "ns/svc.ns.svc.cluster.local"
 
@@ -542,6 +553,120 @@ def test_lb_is_deterministic_under_a_seed() -> None:
     seq_a = [a.load_balance(sa, 80, None) for _ in range(20)]
     seq_b = [b.load_balance(sb, 80, None) for _ in range(20)]
     assert seq_a == seq_b
+
+
+def test_the_plain_pick_table_follows_every_commit_of_the_endpoints() -> None:
+    state, s = lb_state(
+        wl("one", "10.0.0.1", ports={}, capacity=1), wl("three", "10.0.0.2", ports={}, capacity=3)
+    )
+    kid = state._kid(s.key)
+    assert kid is not None
+
+    def plain() -> _PickTable | None:
+        raw = state._cur["eppick"].get(pack_i(kid))
+        return None if raw is None else _PickTable.plain(None, raw)
+
+    t = plain()
+    assert t is not None and (t.cumulative, t.total) == ([1, 4], 4)
+    three = state.find_workload_by_uid("c//v1/Pod/ns/three")
+    assert three is not None
+    state.upsert_workload(replace(three, status=WorkloadStatus.UNHEALTHY))
+    t = plain()
+    assert t is not None and (len(t.wids), t.cumulative, t.total) == (1, None, 1)
+    assert picks(state, s, None, n=50) == {"one": 50}
+    state.remove_workload("c//v1/Pod/ns/one")
+    state.remove_workload("c//v1/Pod/ns/three")
+    assert state._cur["eppick"].get(pack_i(kid)) is None  # (no endpoints: no entry)
+    assert state.load_balance(s, 80, None) is None
+
+
+def test_a_big_service_changing_faster_than_its_entry_is_built_is_scanned_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (State._update_plain: a 100-byte xDS response must not cost a whole endpoint list, again
+    # and again; without its entry the service is scanned, as it was before entries existed)
+    now = [1000.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    n = store_module._PLAIN_BIG
+    state, s = lb_state(
+        *(wl(f"e{i}", f"10.1.{i // 250}.{i % 250 + 1}", ports={}) for i in range(n))
+    )
+    kid = state._kid(s.key)
+    assert kid is not None
+    eppick = lambda: state._cur["eppick"].get(pack_i(kid))  # noqa: E731
+    assert eppick() is not None
+    e0 = state.find_workload_by_uid("c//v1/Pod/ns/e0")
+    assert e0 is not None
+    now[0] += 0.01
+    state.upsert_workload(replace(e0, status=WorkloadStatus.UNHEALTHY))
+    assert eppick() is None  # (built 10 ms ago: not again yet)
+    got = picks(state, s, None, n=300)
+    assert "e0" not in got and "-" not in got
+    now[0] += 0.01
+    state.upsert_workload(wl("other", "10.9.0.1"))  # (not an endpoint: too soon still)
+    assert eppick() is None
+    now[0] += store_module._PLAIN_EVERY
+    state.upsert_workload(wl("other", "10.9.0.2"))  # any later commit builds it again
+    raw = eppick()
+    assert raw is not None
+    table = _PickTable.plain(None, raw)
+    assert table is not None and len(table.wids) == n - 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    hst.lists(
+        hst.tuples(
+            hst.booleans(),  # healthy
+            hst.sampled_from([0, 1, 1, 1, 2, 5]),  # capacity
+            hst.booleans(),  # address-less (through a gateway)
+            hst.sampled_from([None, {}, {80: 9000}]),  # no service (not an endpoint), port maps
+        ),
+        max_size=12,
+    ),
+    hst.sampled_from(["", "remote"]),
+)
+def test_the_writer_s_plain_pick_table_is_the_one_every_endpoint_s_summary_makes(
+    eps: list[tuple[bool, int, bool, dict[int, int] | None]], src_network: str
+) -> None:
+    # (State._pick_table: the eppick entry stands for _scan_table in the common case, picks
+    # included: same endpoints, same order, same weights, so the same rng draws pick the same)
+    pods = [
+        wl(
+            f"e{i}",
+            *(() if addrless else (f"10.0.1.{i + 1}",)),
+            ports=ports,
+            capacity=cap,
+            status=WorkloadStatus.HEALTHY if healthy else WorkloadStatus.UNHEALTHY,
+            network="remote" if addrless else "",
+            network_gateway=GW if addrless else None,
+        )
+        for i, (healthy, cap, addrless, ports) in enumerate(eps)
+    ]
+    state, s = lb_state(*pods)
+    for reader in (state, State(store=state.store.reader())):
+        kid = reader._kid(s.key)
+        assert kid is not None
+        version = reader._cur["epver"].get(pack_i(kid))
+        raw = reader._cur["eppick"].get(pack_i(kid))
+        endpoints = [p for p in pods if p.services]
+        assert (raw is None) is (not endpoints)
+        source = wl("src", "10.1.0.1", network=src_network)
+        scanned = reader._scan_table(kid, version, 80, 8080, None, source, False)
+        plain = _PickTable.plain(version, raw) if raw is not None else None
+        if any(not p.addresses for p in endpoints):
+            assert plain is None  # (the source's network decides: scanned every time)
+            continue
+        if plain is None:
+            assert not endpoints
+            continue
+        assert (plain.wids, plain.cumulative, plain.total) == (
+            scanned.wids,
+            scanned.cumulative,
+            scanned.total,
+        )
+        a, b = random.Random(5), random.Random(5)
+        assert [plain.pick(a) for _ in range(20)] == [scanned.pick(b) for _ in range(20)]
 
 
 def test_lb_waypoint_mode() -> None:
