@@ -242,31 +242,48 @@ def crr_load(client: Any, ip: str, procs: int) -> Callable[[float], dict[str, An
 
 
 def idle_load(
-    client: Any, ip: str, n: int, ports: int = 1, at_peak: IdlePeakCheck | None = None
-) -> Callable[[float], dict[str, Any]]:
+    client: Any, ip: str, n: int, ports: int = 1, at_peak: IdlePeakCheck | None = None,
+    per_process: int | None = None, sources: list[str] | None = None,
+) -> Callable[[float], dict[str, Any]]:  # fmt: skip
     """``n`` idle connections (``suite.py idle``, over ``ports`` destination ports) opened, held
-    for the phase, then closed. ``at_peak``, once all are open, measures what they hold
+    for the phase, then closed; by several client processes of at most ``per_process`` each
+    (RLIMIT_NOFILE), opening 256 at a time between them, from the ``sources`` IPs in turn (one
+    process at least each). ``at_peak``, once all are open, measures what they hold
     (``--idle-settle``); its result is the load's ``at_peak``."""
 
     def load(seconds: float) -> dict[str, Any]:
         if at_peak is not None:
             at_peak.start()
-        extra = ["--ports", str(ports)] if ports > 1 else []
-        proc = client.popen(
-            sys.executable, suite.__file__, "idle", "--ip", ip, "--port", str(bh.ECHO_PORT),
-            "--n", str(n), *extra, stdin=subprocess.PIPE,
-        )  # fmt: skip
+        k = max(-(-n // (per_process or n)), len(sources or []))
+        cmd = [sys.executable, suite.__file__, "idle", "--ip", ip, "--port", str(bh.ECHO_PORT)]
+        cmd += ["--ports", str(ports)] if ports > 1 else []
+        cmd += ["--inflight", str(max(1, 256 // k))] if k > 1 else []
+        procs = []
+        for i in range(k):
+            src = ["--src", sources[i % len(sources)]] if sources else []
+            size = ["--n", str(n // k + (i < n % k))]
+            procs.append(client.popen(*cmd, *size, *src, stdin=subprocess.PIPE))
         t0 = time.monotonic()
-        _, done, errors = proc.wait_for_line("READY", timeout=max(300.0, n / 100)).split()
+        deadline = t0 + max(300.0, n / 100)
+        done = errors = 0
+        for proc in procs:
+            line = proc.wait_for_line("READY", timeout=max(1.0, deadline - time.monotonic()))
+            done, errors = done + int(line.split()[1]), errors + int(line.split()[2])
         open_s = time.monotonic() - t0
-        out: dict[str, Any] = {"opened": int(done), "errors": int(errors), "open_seconds": open_s}
-        out["client_lines"] = [ln for ln in proc.lines if not ln.startswith("PROGRESS")][-5:]
+        out: dict[str, Any] = {"opened": done, "errors": errors, "open_seconds": open_s}
+        if k > 1:
+            out["client_processes"] = k
+        stalled = [ln for proc in procs for ln in proc.lines if ln.startswith("STALLED")]
+        if stalled:
+            out["client_stalled"] = stalled
         if at_peak is not None:
-            out["at_peak"] = at_peak(proc, int(done))
+            out["at_peak"] = at_peak(procs, done)
         time.sleep(max(0.0, seconds - (time.monotonic() - t0)))
-        assert proc.popen.stdin is not None
-        proc.popen.stdin.close()
-        proc.popen.wait(timeout=max(60.0, n / 1000))
+        for proc in procs:
+            assert proc.popen.stdin is not None
+            proc.popen.stdin.close()
+        for proc in procs:
+            proc.popen.wait(timeout=max(60.0, n / 1000))
         return out
 
     return load
@@ -311,7 +328,7 @@ class IdlePeakCheck:
             with zt._cond:
                 self.seen[k] = len(zt.records)
 
-    def __call__(self, proc: Any, opened: int) -> dict[str, Any]:
+    def __call__(self, procs: list[Any], opened: int) -> dict[str, Any]:
         pods, zts = self.bed["pods"], self.bed["zts"]
         server_ports = range(bh.ECHO_PORT, bh.ECHO_PORT + self.ports)
         time.sleep(self.settle)
@@ -345,11 +362,16 @@ class IdlePeakCheck:
         for k in ("a", "b"):
             with contextlib.suppress(Exception):
                 out["conntrack"][k] = int(pods[k].sysctl("net.netfilter.nf_conntrack_count"))
-        assert proc.popen.stdin is not None
-        proc.popen.stdin.write(f"PROBE {self.probe}\n".encode())
-        proc.popen.stdin.flush()
-        _, ok, failed = proc.wait_for_line("PROBED", timeout=60).split()
-        out["probe"] = {"sent": self.probe, "echoed": int(ok), "failed": int(failed)}
+        for proc in procs:
+            assert proc.popen.stdin is not None
+            proc.popen.stdin.write(f"PROBE {-(-self.probe // len(procs))}\n".encode())
+            proc.popen.stdin.flush()
+        out["probe"] = {"sent": 0, "echoed": 0, "failed": 0}
+        for proc in procs:
+            _, ok, failed = proc.wait_for_line("PROBED", timeout=60).split()
+            out["probe"]["echoed"] += int(ok)
+            out["probe"]["failed"] += int(failed)
+        out["probe"]["sent"] = out["probe"]["echoed"] + out["probe"]["failed"]
         logged: dict[str, dict[str, int]] = {}
         for k, zt in zts.items():
             with zt._cond:
@@ -526,12 +548,21 @@ def drive(args: argparse.Namespace) -> None:
     started = time.monotonic()
     samples: dict[str, list[dict[str, Any]]] = {}
     nofile = raise_nofile(args.idle_conns) if idle in want else None
+    idle_ports: int | None = None
+    idle_src: list[str] | None = None
     ztunnel_env = dict(kv.split("=", 1) for kv in args.ztunnel_env or [])
     if want - {"xds-workload-churn"}:
         with data_bed(args.loop, args.workers, ztunnel_env) as bed:
             pods, zts = bed["pods"], bed["zts"]
             pids = {"ztunnel-a": zts["a"].pid, "ztunnel-b": zts["b"].pid}
-            ports = args.idle_ports if idle in want else 1
+            per_process = idle_per_process()
+            sources = idle_sources(pods["a"], args.idle_conns) if idle in want else None
+            ports = 1
+            if idle in want:  # one echo server per port, each below its fd limit
+                ports = args.idle_ports or -(-args.idle_conns // per_process)
+                if args.idle_conns > ports * per_process:
+                    sys.exit(f"--idle-ports {ports}: over {per_process} connections per server")
+                idle_ports, idle_src = ports, sources
             for port in range(bh.ECHO_PORT + 1, bh.ECHO_PORT + ports):  # (7000 is the bed's)
                 echo = pods["b"].popen(sys.executable, bh.__file__, "echo", "--port", str(port))
                 echo.wait_for_line("READY", timeout=15)
@@ -547,7 +578,7 @@ def drive(args: argparse.Namespace) -> None:
             loads = {
                 "hbone-churn": crr_load(pods["a"], b, args.procs),
                 "plaintext-churn": crr_load(pods["a"], d, args.procs),
-                idle: idle_load(pods["a"], b, args.idle_conns, ports, peak),
+                idle: idle_load(pods["a"], b, args.idle_conns, ports, peak, per_process, sources),
             }
             # Warm-up: the first connections of each kind build what lives as long as the process
             # (the pooled HBONE connection, TLS contexts, certificates, caches); not a residual.
@@ -605,7 +636,8 @@ def drive(args: argparse.Namespace) -> None:
             "rest_seconds": rest,
             "crr_procs": args.procs,
             "idle_conns": args.idle_conns,
-            "idle_ports": args.idle_ports,
+            "idle_ports": idle_ports,
+            "idle_sources": idle_src,
             "idle_settle_s": args.idle_settle,
             "ztunnel_env": ztunnel_env,
             "rlimit_nofile_raised": nofile,
@@ -627,13 +659,15 @@ def drive(args: argparse.Namespace) -> None:
     print(md)
 
 
-def raise_nofile(idle_conns: int) -> list[int] | None:
+def raise_nofile(idle_conns: int) -> dict[str, Any] | None:
     """Raise this process's RLIMIT_NOFILE (which the ztunnels, the client and the servers
     inherit; ztunnel raises its soft limit to the hard one) when ``idle_conns`` connections need
     more: the client, the servers and each ztunnel hold a socket per connection (ztunnel-a the
     client's, ztunnel-b the upstream, shared between its workers) plus the pooled HBONE
-    connections; 2 N + 10,000 leaves room for ztunnel's fd reserve. Returns the new [soft, hard],
-    or None when the limit was enough."""
+    connections; 2 N + 10,000 leaves room for ztunnel's fd reserve. Without CAP_SYS_RESOURCE
+    the hard limit cannot be raised: the soft one is raised to it, and every process of the bed
+    is held to it (the idle phase then spreads clients and servers over several processes).
+    Returns what was wanted and set, or None when the limit was enough."""
     want = 2 * idle_conns + 10_000
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if want <= soft:
@@ -641,9 +675,40 @@ def raise_nofile(idle_conns: int) -> list[int] | None:
     with open("/proc/sys/fs/nr_open") as f:
         if want > int(f.read()):
             sys.exit(f"{idle_conns} idle connections need {want} fds: raise fs.nr_open first")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)))
-    print(f"RLIMIT_NOFILE raised from {soft}/{hard} to {want}/{max(want, hard)}", file=sys.stderr)
-    return [want, max(want, hard)]
+    doc: dict[str, Any] = {"before": [soft, hard], "wanted": want}
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)))
+    except (ValueError, OSError) as e:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        doc["error"] = f"hard limit not raised ({e}): no CAP_SYS_RESOURCE"
+    doc["set"] = list(resource.getrlimit(resource.RLIMIT_NOFILE))
+    print(f"RLIMIT_NOFILE: {doc}", file=sys.stderr)
+    return doc
+
+
+# In-pod capture REDIRECTs every outbound connection of a pod to one ip:port (15001): conntrack
+# needs a distinct source ip:port per connection after NAT, and remaps clashing source ports
+# within 1024-65535, so one source IP has at most 64,512 captured connections at a time (past
+# that the SYN is dropped: the client hangs). More take more client IPs.
+IDLE_PER_SOURCE_IP = 60_000
+
+
+def idle_sources(pod: Any, n: int) -> list[str] | None:
+    """None when ``n`` connections fit one source IP; else pod ``a``'s own IP and enough extra
+    ones, added to its ``lo`` (the connections are captured in the pod: the extra IPs are only
+    their source, ztunnel-a's HBONE leaves from the pod's IP)."""
+    k = -(-n // IDLE_PER_SOURCE_IP)
+    if k <= 1:
+        return None
+    extra = [f"172.31.250.{i}" for i in range(1, k)]
+    for ip in extra:
+        pod.run("ip", "addr", "add", f"{ip}/32", "dev", "lo")
+    return [str(pod.ip4), *extra]
+
+
+def idle_per_process() -> int:
+    """Connections one client or server process of the idle phase may hold (its fd limit)."""
+    return max(1000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 2000)
 
 
 def at_rest_only(loop: str, rest: float) -> None:
@@ -694,8 +759,8 @@ def main() -> None:
     ap.add_argument(
         "--idle-ports",
         type=int,
-        default=1,
-        help="spread the idle connections over this many server ports (7000, 7001, ...)",
+        help="spread the idle connections over this many server ports (7000, 7001, ...), one "
+        "echo server each (default: as many as their fd limit needs, 1 up to ~18k)",
     )
     ap.add_argument(
         "--idle-settle",

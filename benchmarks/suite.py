@@ -81,6 +81,7 @@ T_HBONE_VS_STUNNEL = 1.0
 T_ADDED_P99_MS = 0.5
 T_VCPU_PER_KRPS = 0.10
 T_KIB_PER_IDLE = 10.0
+IP_BIND_ADDRESS_NO_PORT = 24  # (linux/in.h; not in the socket module)
 IDLE_STALL_S = 30.0  # idle: in-flight connections with no answer for this long failed
 
 
@@ -213,12 +214,17 @@ def run_rr(ip: str, port: int, rate: float, conns: int, seconds: float, size: in
     )
 
 
-def run_idle(ip: str, port: int, n: int, ports: int = 1) -> None:
+def run_idle(
+    ip: str, port: int, n: int, ports: int = 1, inflight_max: int = 256, src: str | None = None
+) -> None:
     """Open ``n`` connections, one 1-byte round trip each (the tunnel is up end to end), print
     ``READY <n> <errors>``, then hold them idle until stdin closes. With ``ports`` > 1 they go
     round-robin to ``port`` .. ``port + ports - 1`` (one source IP gets at most one ephemeral
-    port range per destination ip:port). A stdin line ``PROBE <k>`` sends one more byte on ``k``
-    of the open connections, evenly spread, and prints ``PROBED <echoed> <failed>``."""
+    port range per destination ip:port); ``src``: from this source IP (bound with
+    IP_BIND_ADDRESS_NO_PORT, the port picked at connect). At most ``inflight_max`` are opening
+    at a time. A stdin
+    line ``PROBE <k>`` sends one more byte on ``k`` of the open connections, evenly spread, and
+    prints ``PROBED <echoed> <failed>``."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, n + 100), max(hard, n + 100)))
@@ -231,9 +237,12 @@ def run_idle(ip: str, port: int, n: int, ports: int = 1) -> None:
     quiet_since = time.monotonic()
     reported = 0
     while done + errors < n:
-        while opened < n and len(inflight) < 256:
+        while opened < n and len(inflight) < inflight_max:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.setblocking(False)
+            if src is not None:
+                s.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+                s.bind((src, 0))
             with contextlib.suppress(BlockingIOError):
                 s.connect((ip, port + opened % ports))
             inflight[s.fileno()] = s
@@ -2029,6 +2038,8 @@ def main() -> None:
     i.add_argument("--port", type=int, required=True)
     i.add_argument("--n", type=int, default=10_000)
     i.add_argument("--ports", type=int, default=1, help="spread over --port .. --port + N - 1")
+    i.add_argument("--inflight", type=int, default=256, help="connections opening at a time")
+    i.add_argument("--src", help="source IP of the connections (default: the route's)")
     args = ap.parse_args()
     if args.cmd == "rr":
         run_rr(args.ip, args.port, args.rate, args.conns, args.seconds, args.size)
@@ -2037,7 +2048,7 @@ def main() -> None:
     elif args.cmd == "series":
         run_series(args)
     elif args.cmd == "idle":
-        run_idle(args.ip, args.port, args.n, args.ports)
+        run_idle(args.ip, args.port, args.n, args.ports, args.inflight, args.src)
     else:
         if os.geteuid() != 0:
             sys.exit("suite.py needs root (network namespaces)")
