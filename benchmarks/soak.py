@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -240,24 +241,153 @@ def crr_load(client: Any, ip: str, procs: int) -> Callable[[float], dict[str, An
     return load
 
 
-def idle_load(client: Any, ip: str, n: int) -> Callable[[float], dict[str, Any]]:
-    """``n`` idle connections (``suite.py idle``) opened, held for the phase, then closed."""
+def idle_load(
+    client: Any, ip: str, n: int, ports: int = 1, at_peak: IdlePeakCheck | None = None,
+    per_process: int | None = None, sources: list[str] | None = None,
+) -> Callable[[float], dict[str, Any]]:  # fmt: skip
+    """``n`` idle connections (``suite.py idle``, over ``ports`` destination ports) opened, held
+    for the phase, then closed; by several client processes of at most ``per_process`` each
+    (RLIMIT_NOFILE), opening 256 at a time between them, from the ``sources`` IPs in turn (one
+    process at least each). ``at_peak``, once all are open, measures what they hold
+    (``--idle-settle``); its result is the load's ``at_peak``."""
 
     def load(seconds: float) -> dict[str, Any]:
-        proc = client.popen(
-            sys.executable, suite.__file__, "idle", "--ip", ip, "--port", str(bh.ECHO_PORT),
-            "--n", str(n), stdin=subprocess.PIPE,
-        )  # fmt: skip
+        if at_peak is not None:
+            at_peak.start()
+        k = max(-(-n // (per_process or n)), len(sources or []))
+        cmd = [sys.executable, suite.__file__, "idle", "--ip", ip, "--port", str(bh.ECHO_PORT)]
+        cmd += ["--ports", str(ports)] if ports > 1 else []
+        cmd += ["--inflight", str(max(1, 256 // k))] if k > 1 else []
+        procs = []
+        for i in range(k):
+            src = ["--src", sources[i % len(sources)]] if sources else []
+            size = ["--n", str(n // k + (i < n % k))]
+            procs.append(client.popen(*cmd, *size, *src, stdin=subprocess.PIPE))
         t0 = time.monotonic()
-        _, done, errors = proc.wait_for_line("READY", timeout=300).split()
+        deadline = t0 + max(300.0, n / 100)
+        done = errors = 0
+        for proc in procs:
+            line = proc.wait_for_line("READY", timeout=max(1.0, deadline - time.monotonic()))
+            done, errors = done + int(line.split()[1]), errors + int(line.split()[2])
         open_s = time.monotonic() - t0
-        time.sleep(max(0.0, seconds - open_s))
-        assert proc.popen.stdin is not None
-        proc.popen.stdin.close()
-        proc.popen.wait(timeout=60)
-        return {"opened": int(done), "errors": int(errors), "open_seconds": open_s}
+        out: dict[str, Any] = {"opened": done, "errors": errors, "open_seconds": open_s}
+        if k > 1:
+            out["client_processes"] = k
+        stalled = [ln for proc in procs for ln in proc.lines if ln.startswith("STALLED")]
+        if stalled:
+            out["client_stalled"] = stalled
+        if at_peak is not None:
+            out["at_peak"] = at_peak(procs, done)
+        time.sleep(max(0.0, seconds - (time.monotonic() - t0)))
+        for proc in procs:
+            assert proc.popen.stdin is not None
+            proc.popen.stdin.close()
+        for proc in procs:
+            proc.popen.wait(timeout=max(60.0, n / 1000))
+        return out
 
     return load
+
+
+def _nofile(pid: int) -> list[int]:
+    """[soft, hard] RLIMIT_NOFILE of ``pid``."""
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(ln for ln in f if ln.startswith("Max open files"))
+    return [int(x) for x in line.split()[3:5]]
+
+
+def _estab_by_port(pod: Any, local: bool) -> dict[int, int]:
+    """Established TCP sockets in ``pod``'s netns, counted by local (else peer) port."""
+    out: dict[int, int] = {}
+    for line in pod.run("ss", "-Htn", "state", "established", timeout=120).stdout.splitlines():
+        cols = line.split()
+        if len(cols) >= 4:
+            port = int(cols[2 if local else 3].rsplit(":", 1)[1])
+            out[port] = out.get(port, 0) + 1
+    return out
+
+
+@dataclass
+class IdlePeakCheck:
+    """``idle_load``'s ``at_peak`` for the data bed: ``settle`` s after the last connection
+    opened, RSS and PSS of each ztunnel (smaps_rollup over its process tree), its fds and
+    ``RLIMIT_NOFILE``; the connections counted at every hop (sockets established in pod a to
+    ztunnel-a's 15001 and to ztunnel-b's 15008, at the server's ports in pod b; conntrack
+    entries); ``probe`` of them, evenly spread, sent one more byte that must echo back; and the
+    warnings and errors the ztunnels logged since the load started."""
+
+    bed: dict[str, Any]
+    pids: dict[str, int]
+    ports: int
+    settle: float
+    probe: int = 1000
+    seen: dict[str, int] = field(default_factory=dict)
+
+    def start(self) -> None:
+        for k, zt in self.bed["zts"].items():
+            with zt._cond:
+                self.seen[k] = len(zt.records)
+
+    def __call__(self, procs: list[Any], opened: int) -> dict[str, Any]:
+        pods, zts = self.bed["pods"], self.bed["zts"]
+        server_ports = range(bh.ECHO_PORT, bh.ECHO_PORT + self.ports)
+        time.sleep(self.settle)
+        out: dict[str, Any] = {"settle_s": self.settle, "opened": opened, "by_ztunnel": {}}
+        for name, pid in self.pids.items():
+            tree = bh.proc_tree(pid)
+            fds = 0
+            for p in tree:
+                with contextlib.suppress(OSError):
+                    fds += len(os.listdir(f"/proc/{p}/fd"))
+            rss, pss = mem_kib(pid)
+            out["by_ztunnel"][name] = {
+                "rss_kib": rss,
+                "pss_kib": pss,
+                "detail_kib": rest_detail(pid),
+                "fds": fds,
+                "nofile": {str(p): _nofile(p) for p in tree},
+            }
+        a_local, a_peer = _estab_by_port(pods["a"], True), _estab_by_port(pods["a"], False)
+        b_local = _estab_by_port(pods["b"], True)
+        accepted = {str(p): b_local.get(p, 0) for p in server_ports}
+        out["sockets"] = {
+            "a_accepted_by_ztunnel_a_15001": a_local.get(15001, 0),
+            "a_client_to_server_ports": sum(a_peer.get(p, 0) for p in server_ports),
+            "a_hbone_to_15008": a_peer.get(15008, 0),
+            "b_hbone_at_ztunnel_b_15008": b_local.get(15008, 0),
+            "b_server_accepted": accepted,
+            "b_server_accepted_total": sum(accepted.values()),
+        }
+        out["conntrack"] = {}
+        for k in ("a", "b"):
+            with contextlib.suppress(Exception):
+                out["conntrack"][k] = int(pods[k].sysctl("net.netfilter.nf_conntrack_count"))
+        for proc in procs:
+            assert proc.popen.stdin is not None
+            proc.popen.stdin.write(f"PROBE {-(-self.probe // len(procs))}\n".encode())
+            proc.popen.stdin.flush()
+        out["probe"] = {"sent": 0, "echoed": 0, "failed": 0}
+        for proc in procs:
+            _, ok, failed = proc.wait_for_line("PROBED", timeout=60).split()
+            out["probe"]["echoed"] += int(ok)
+            out["probe"]["failed"] += int(failed)
+        out["probe"]["sent"] = out["probe"]["echoed"] + out["probe"]["failed"]
+        logged: dict[str, dict[str, int]] = {}
+        for k, zt in zts.items():
+            with zt._cond:
+                recs = zt.records[self.seen.get(k, 0) :]
+            for r in recs:
+                level = str(r.get("level", "")).lower()
+                if level in ("warn", "warning", "error", "raw") or "exception" in r:
+                    msg = f"{level}: {r.get('message', '')}"
+                    if r.get("error"):
+                        msg += f" (error: {r['error']})"
+                    msg = msg[:300]
+                    by = logged.setdefault(k, {})
+                    by[msg] = by.get(msg, 0) + 1
+        out["logged"] = logged
+        print(f"  at peak: {json.dumps(out)}", file=sys.stderr)
+        return out
 
 
 def xds_churn_load(mesh: Any, batch: int, period: float) -> Callable[[float], dict[str, Any]]:
@@ -309,8 +439,10 @@ POOL_RELEASE = "10s"
 
 
 @contextlib.contextmanager
-def data_bed(loop: str, workers: int | None = None) -> Iterator[dict[str, Any]]:
-    env = {"POOL_UNUSED_RELEASE_TIMEOUT": POOL_RELEASE}
+def data_bed(
+    loop: str, workers: int | None = None, extra_env: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
+    env = {"POOL_UNUSED_RELEASE_TIMEOUT": POOL_RELEASE, **(extra_env or {})}
     if workers is not None:
         env["ZTUNNEL_WORKER_THREADS"] = str(workers)
     with bh.testbed([], loop, haproxy=False, env=env) as bed:
@@ -350,12 +482,56 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {r['pss_kib_before']:.0f} | {r['pss_kib_after_rest']:.0f} "
                 f"| {bh.fmt(r['slope_kib_per_min'], '.1f')} | {met} |"
             )
+    lines += idle_peak_markdown(doc)
     rest = doc.get("at_rest", {})
     if rest:
         lines += ["", "PSS at rest, KiB (smaps_rollup, before any load):"]
         for k, v in rest.items():
             lines.append(f"- {k}: {v}")
     return "\n".join(lines) + "\n"
+
+
+def idle_peak_markdown(doc: dict[str, Any]) -> list[str]:
+    """The idle phases measured at their peak (``--idle-settle``): memory per connection."""
+    lines: list[str] = []
+    for ph in doc["phases"]:
+        peak = ph.get("load", {}).get("at_peak")
+        if not peak:
+            continue
+        n, load = peak["opened"], ph["load"]
+        lines += [
+            "",
+            f"#### {ph['phase']}: {n} idle HBONE connections open "
+            f"({load['errors']} errors, opened in {load['open_seconds']:.1f} s), measured "
+            f"{peak['settle_s']:.0f} s after the last opened",
+            "",
+            "| ztunnel | PSS before KiB | PSS at peak | PSS KiB/conn | RSS before KiB | "
+            "RSS at peak | RSS KiB/conn | fds at peak | NOFILE soft/hard |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for zt, r in ph["by_ztunnel"].items():
+            at = peak["by_ztunnel"][zt]
+            limits = sorted({f"{s}/{h}" for s, h in at["nofile"].values()})
+            lines.append(
+                f"| {zt} | {r['pss_kib_before']:.0f} | {at['pss_kib']} "
+                f"| {(at['pss_kib'] - r['pss_kib_before']) / n:.2f} | {r['rss_kib_before']:.0f} "
+                f"| {at['rss_kib']} | {(at['rss_kib'] - r['rss_kib_before']) / n:.2f} "
+                f"| {at['fds']} | {', '.join(limits)} |"
+            )
+        sk, pr = peak["sockets"], peak["probe"]
+        lines += [
+            "",
+            f"Sockets established: pod a {sk['a_client_to_server_ports']} client -> server "
+            f"ports, {sk['a_accepted_by_ztunnel_a_15001']} accepted by ztunnel-a on 15001, "
+            f"{sk['a_hbone_to_15008']} HBONE connections to ztunnel-b; pod b "
+            f"{sk['b_server_accepted_total']} at the server ({sk['b_server_accepted']}). "
+            f"Conntrack entries: {peak['conntrack']}. Probe: {pr['echoed']} of {pr['sent']} "
+            f"connections echoed one more byte ({pr['failed']} failed).",
+        ]
+        for zt, msgs in peak["logged"].items():
+            for msg, count in sorted(msgs.items(), key=lambda kv: -kv[1])[:10]:
+                lines.append(f"- ztunnel-{zt} logged {count} x `{msg}`")
+    return lines
 
 
 def drive(args: argparse.Namespace) -> None:
@@ -371,26 +547,44 @@ def drive(args: argparse.Namespace) -> None:
         return at_rest_only(args.loop, rest)
     started = time.monotonic()
     samples: dict[str, list[dict[str, Any]]] = {}
+    nofile = raise_nofile(args.idle_conns) if idle in want else None
+    idle_ports: int | None = None
+    idle_src: list[str] | None = None
+    ztunnel_env = dict(kv.split("=", 1) for kv in args.ztunnel_env or [])
     if want - {"xds-workload-churn"}:
-        with data_bed(args.loop, args.workers) as bed:
+        with data_bed(args.loop, args.workers, ztunnel_env) as bed:
             pods, zts = bed["pods"], bed["zts"]
             pids = {"ztunnel-a": zts["a"].pid, "ztunnel-b": zts["b"].pid}
+            per_process = idle_per_process()
+            sources = idle_sources(pods["a"], args.idle_conns) if idle in want else None
+            ports = 1
+            if idle in want:  # one echo server per port, each below its fd limit
+                ports = args.idle_ports or -(-args.idle_conns // per_process)
+                if args.idle_conns > ports * per_process:
+                    sys.exit(f"--idle-ports {ports}: over {per_process} connections per server")
+                idle_ports, idle_src = ports, sources
+            for port in range(bh.ECHO_PORT + 1, bh.ECHO_PORT + ports):  # (7000 is the bed's)
+                echo = pods["b"].popen(sys.executable, bh.__file__, "echo", "--port", str(port))
+                echo.wait_for_line("READY", timeout=15)
             time.sleep(rest)  # start-up settled, the first idle trim done
             at_rest["dedicated (one workload, local config, local CA)"] = {
                 k: mem_kib(p)[1] for k, p in pids.items()
             }
             sampler = Sampler(pids)
             b, d = pods["b"].ip4, pods["d"].ip4
+            peak = None
+            if args.idle_settle is not None:
+                peak = IdlePeakCheck(bed, pids, ports, args.idle_settle)
             loads = {
                 "hbone-churn": crr_load(pods["a"], b, args.procs),
                 "plaintext-churn": crr_load(pods["a"], d, args.procs),
-                idle: idle_load(pods["a"], b, args.idle_conns),
+                idle: idle_load(pods["a"], b, args.idle_conns, ports, peak, per_process, sources),
             }
             # Warm-up: the first connections of each kind build what lives as long as the process
             # (the pooled HBONE connection, TLS contexts, certificates, caches); not a residual.
             # (The idle phase warms up with 100 connections: warming up with all of them would
             # make the burst itself the baseline.)
-            warm = {**loads, idle: idle_load(pods["a"], b, min(100, args.idle_conns))}
+            warm = {**loads, idle: idle_load(pods["a"], b, min(100, args.idle_conns), ports)}
             for name, load in warm.items():
                 if name in want:
                     load(3.0 if name != idle else 0.0)
@@ -442,6 +636,11 @@ def drive(args: argparse.Namespace) -> None:
             "rest_seconds": rest,
             "crr_procs": args.procs,
             "idle_conns": args.idle_conns,
+            "idle_ports": idle_ports,
+            "idle_sources": idle_src,
+            "idle_settle_s": args.idle_settle,
+            "ztunnel_env": ztunnel_env,
+            "rlimit_nofile_raised": nofile,
             "workers": args.workers,
             "xds_batch": args.batch,
         },
@@ -458,6 +657,58 @@ def drive(args: argparse.Namespace) -> None:
     out.write_text(json.dumps(doc, indent=1) + "\n")
     out.with_suffix(".md").write_text(md)
     print(md)
+
+
+def raise_nofile(idle_conns: int) -> dict[str, Any] | None:
+    """Raise this process's RLIMIT_NOFILE (which the ztunnels, the client and the servers
+    inherit; ztunnel raises its soft limit to the hard one) when ``idle_conns`` connections need
+    more: the client, the servers and each ztunnel hold a socket per connection (ztunnel-a the
+    client's, ztunnel-b the upstream, shared between its workers) plus the pooled HBONE
+    connections; 2 N + 10,000 leaves room for ztunnel's fd reserve. Without CAP_SYS_RESOURCE
+    the hard limit cannot be raised: the soft one is raised to it, and every process of the bed
+    is held to it (the idle phase then spreads clients and servers over several processes).
+    Returns what was wanted and set, or None when the limit was enough."""
+    want = 2 * idle_conns + 10_000
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if want <= soft:
+        return None
+    with open("/proc/sys/fs/nr_open") as f:
+        if want > int(f.read()):
+            sys.exit(f"{idle_conns} idle connections need {want} fds: raise fs.nr_open first")
+    doc: dict[str, Any] = {"before": [soft, hard], "wanted": want}
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)))
+    except (ValueError, OSError) as e:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        doc["error"] = f"hard limit not raised ({e}): no CAP_SYS_RESOURCE"
+    doc["set"] = list(resource.getrlimit(resource.RLIMIT_NOFILE))
+    print(f"RLIMIT_NOFILE: {doc}", file=sys.stderr)
+    return doc
+
+
+# In-pod capture REDIRECTs every outbound connection of a pod to one ip:port (15001): conntrack
+# needs a distinct source ip:port per connection after NAT, and remaps clashing source ports
+# within 1024-65535, so one source IP has at most 64,512 captured connections at a time (past
+# that the SYN is dropped: the client hangs). More take more client IPs.
+IDLE_PER_SOURCE_IP = 60_000
+
+
+def idle_sources(pod: Any, n: int) -> list[str] | None:
+    """None when ``n`` connections fit one source IP; else pod ``a``'s own IP and enough extra
+    ones, added to its ``lo`` (the connections are captured in the pod: the extra IPs are only
+    their source, ztunnel-a's HBONE leaves from the pod's IP)."""
+    k = -(-n // IDLE_PER_SOURCE_IP)
+    if k <= 1:
+        return None
+    extra = [f"172.31.250.{i}" for i in range(1, k)]
+    for ip in extra:
+        pod.run("ip", "addr", "add", f"{ip}/32", "dev", "lo")
+    return [str(pod.ip4), *extra]
+
+
+def idle_per_process() -> int:
+    """Connections one client or server process of the idle phase may hold (its fd limit)."""
+    return max(1000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 2000)
 
 
 def at_rest_only(loop: str, rest: float) -> None:
@@ -504,6 +755,24 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2, help="churn client processes")
     ap.add_argument(
         "--idle-conns", type=int, default=IDLE_CONNS, help="HBONE connections of the idle phase"
+    )
+    ap.add_argument(
+        "--idle-ports",
+        type=int,
+        help="spread the idle connections over this many server ports (7000, 7001, ...), one "
+        "echo server each (default: as many as their fd limit needs, 1 up to ~18k)",
+    )
+    ap.add_argument(
+        "--idle-settle",
+        type=float,
+        help="idle phase: this long after the last connection opened, measure the ztunnels at "
+        "their peak and check every hop (results: the phase's load.at_peak)",
+    )
+    ap.add_argument(
+        "--ztunnel-env",
+        action="append",
+        metavar="K=V",
+        help="extra environment of the data bed's ztunnels (repeatable)",
     )
     ap.add_argument("--workers", type=int, help="ZTUNNEL_WORKER_THREADS of the data-plane bed")
     ap.add_argument("--batch", type=int, default=200, help="workloads per xDS push")

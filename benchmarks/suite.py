@@ -81,6 +81,8 @@ T_HBONE_VS_STUNNEL = 1.0
 T_ADDED_P99_MS = 0.5
 T_VCPU_PER_KRPS = 0.10
 T_KIB_PER_IDLE = 10.0
+IP_BIND_ADDRESS_NO_PORT = 24  # (linux/in.h; not in the socket module)
+IDLE_STALL_S = 30.0  # idle: in-flight connections with no answer for this long failed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,9 +214,17 @@ def run_rr(ip: str, port: int, rate: float, conns: int, seconds: float, size: in
     )
 
 
-def run_idle(ip: str, port: int, n: int) -> None:
+def run_idle(
+    ip: str, port: int, n: int, ports: int = 1, inflight_max: int = 256, src: str | None = None
+) -> None:
     """Open ``n`` connections, one 1-byte round trip each (the tunnel is up end to end), print
-    ``READY <n>``, then hold them idle until stdin closes."""
+    ``READY <n> <errors>``, then hold them idle until stdin closes. With ``ports`` > 1 they go
+    round-robin to ``port`` .. ``port + ports - 1`` (one source IP gets at most one ephemeral
+    port range per destination ip:port); ``src``: from this source IP (bound with
+    IP_BIND_ADDRESS_NO_PORT, the port picked at connect). At most ``inflight_max`` are opening
+    at a time. A stdin
+    line ``PROBE <k>`` sends one more byte on ``k`` of the open connections, evenly spread, and
+    prints ``PROBED <echoed> <failed>``."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, n + 100), max(hard, n + 100)))
@@ -224,25 +234,48 @@ def run_idle(ip: str, port: int, n: int) -> None:
     opened = 0
     errors = 0
     done = 0
+    quiet_since = time.monotonic()
+    reported = 0
     while done + errors < n:
-        while opened < n and len(inflight) < 256:
+        while opened < n and len(inflight) < inflight_max:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.setblocking(False)
+            if src is not None:
+                s.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+                s.bind((src, 0))
             with contextlib.suppress(BlockingIOError):
-                s.connect((ip, port))
+                s.connect((ip, port + opened % ports))
             inflight[s.fileno()] = s
             ep.register(s.fileno(), select.EPOLLOUT)
             opened += 1
-        for fd, ev in ep.poll(5.0):
+        events = ep.poll(5.0)
+        if events:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since > IDLE_STALL_S:  # no answer at all: count as failed
+            print(f"STALLED {len(inflight)}", flush=True)
+            for fd, s in inflight.items():
+                ep.unregister(fd)
+                s.close()
+            errors += len(inflight)
+            inflight.clear()
+        if done + errors >= reported + 10_000:
+            reported = (done + errors) // 10_000 * 10_000
+            print(f"PROGRESS {done} {errors}", flush=True)
+        for fd, ev in events:
             s = inflight[fd]
             if ev & select.EPOLLOUT:
-                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                try:
+                    failed = bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+                    if not failed:
+                        s.send(b"i")
+                except OSError:  # (reset as soon as accepted)
+                    failed = True
+                if failed:
                     errors += 1
                     ep.unregister(fd)
                     del inflight[fd]
                     s.close()
                     continue
-                s.send(b"i")
                 ep.modify(fd, select.EPOLLIN)
                 continue
             try:
@@ -258,9 +291,36 @@ def run_idle(ip: str, port: int, n: int) -> None:
                 errors += 1
                 s.close()
     print(f"READY {done} {errors}", flush=True)
-    sys.stdin.read()
+    for line in sys.stdin:
+        if line.startswith("PROBE ") and socks:
+            k = min(int(line.split()[1]), len(socks))
+            ok = _probe([socks[i * len(socks) // k] for i in range(k)])
+            print(f"PROBED {ok} {k - ok}", flush=True)
     for s in socks:
         s.close()
+
+
+def _probe(socks: list[socket.socket], timeout: float = 10.0) -> int:
+    """One byte sent on each socket; how many echoed it back within ``timeout``."""
+    ep = select.epoll()
+    waiting: dict[int, socket.socket] = {}
+    for s in socks:
+        with contextlib.suppress(OSError):
+            s.send(b"p")
+            ep.register(s.fileno(), select.EPOLLIN)
+            waiting[s.fileno()] = s
+    ok = 0
+    end = time.monotonic() + timeout
+    while waiting and time.monotonic() < end:
+        for fd, _ev in ep.poll(max(0.0, end - time.monotonic())):
+            try:
+                data = waiting.pop(fd).recv(16)
+            except OSError:
+                data = b""
+            ok += data == b"p"
+            ep.unregister(fd)
+    ep.close()
+    return ok
 
 
 def _hs_once(ctx: ssl.SSLContext, addr: tuple[str, int], authority: str | None) -> bool:
@@ -1977,6 +2037,9 @@ def main() -> None:
     i.add_argument("--ip", required=True)
     i.add_argument("--port", type=int, required=True)
     i.add_argument("--n", type=int, default=10_000)
+    i.add_argument("--ports", type=int, default=1, help="spread over --port .. --port + N - 1")
+    i.add_argument("--inflight", type=int, default=256, help="connections opening at a time")
+    i.add_argument("--src", help="source IP of the connections (default: the route's)")
     args = ap.parse_args()
     if args.cmd == "rr":
         run_rr(args.ip, args.port, args.rate, args.conns, args.seconds, args.size)
@@ -1985,7 +2048,7 @@ def main() -> None:
     elif args.cmd == "series":
         run_series(args)
     elif args.cmd == "idle":
-        run_idle(args.ip, args.port, args.n)
+        run_idle(args.ip, args.port, args.n, args.ports, args.inflight, args.src)
     else:
         if os.geteuid() != 0:
             sys.exit("suite.py needs root (network namespaces)")
