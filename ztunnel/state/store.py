@@ -993,8 +993,13 @@ class State:
         memo = self._by_addr
         if key in memo:
             return memo[key]
-        found = self._find_workload_by_addr(addr)
-        if self._wtxn is None:  # (an open batch may still change it)
+        found: Workload | None = self._remember(memo, key, self._find_workload_by_addr(addr))
+        return found
+
+    def _remember(self, memo: dict[Any, Any], key: Any, found: Any) -> Any:
+        """``found`` for ``key`` in an address memo (bounded: a client probing addresses
+        clears it, never grows it), unless a batch is open (it may still change it)."""
+        if self._wtxn is None:
             if len(memo) >= _CACHE_ADDRESSES:
                 memo.clear()
             memo[key] = found
@@ -1276,11 +1281,9 @@ class State:
         memo = self._by_vip
         if key in memo:
             return memo[key]
-        found = self._find_service_by_vip(addr, namespace)
-        if self._wtxn is None:  # (an open batch may still change it)
-            if len(memo) >= _CACHE_ADDRESSES:
-                memo.clear()
-            memo[key] = found
+        found: Service | None = self._remember(
+            memo, key, self._find_service_by_vip(addr, namespace)
+        )
         return found
 
     def _find_service_by_vip(self, addr: NetworkAddress, namespace: str | None) -> Service | None:

@@ -818,6 +818,35 @@ def test_the_vip_memo_is_per_client_namespace() -> None:
         assert found is not None and found.namespace == ns
 
 
+def test_a_client_probing_many_destinations_is_held_by_every_cache_bound() -> None:
+    # A pod may connect to any address: what a reader remembers stays within its bounds.
+    pods = [wl(f"p{i}", f"10.2.{i // 250}.{i % 250 + 1}", ports={}) for i in range(5000)]
+    services = [
+        svc(f"10.97.{j // 250}.{j % 250 + 1}", host=f"s{j}.ns.svc.cluster.local")
+        for j in range(700)
+    ]
+    writer = State()
+    with writer.batch():
+        for s in services:
+            writer.upsert_service(s)
+        for w in pods:
+            writer.upsert_workload(replace(w, services={s.key: {} for s in services[:1]}))
+    reader = State(store=writer.store.reader())
+    for i in range(3 * store_module._CACHE_ADDRESSES):  # unknown addresses
+        reader.find_workload_by_addr(na(f"172.{16 + i // 65536}.{i // 256 % 256}.{i % 256}"))
+        reader.find_service_by_vip(na(f"172.{16 + i // 65536}.{i // 256 % 256}.{i % 256}"), "x")
+    assert len(reader._by_addr) <= store_module._CACHE_ADDRESSES
+    assert len(reader._by_vip) <= store_module._CACHE_ADDRESSES
+    for w in pods:  # every pod, more than the workload cache holds
+        assert reader.find_workload_by_addr(na(str(w.addresses[0]))) is not None
+    assert len(reader._wls) <= store_module._CACHE_WORKLOADS
+    assert reader.load_balance(services[0], 80, None) is not None  # (its 5,000 endpoints)
+    for s in services:  # a pick table each (empty but the first), more than that cache holds
+        reader.load_balance(s, 80, None)
+    assert len(reader._picks) <= store_module._CACHE_PICKS
+    assert len(reader._svcs) <= store_module._CACHE_SERVICES
+
+
 def test_inside_a_batch_lookups_see_the_batch_s_own_changes() -> None:
     state = State()
     with state.batch():
