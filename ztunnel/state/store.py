@@ -1543,7 +1543,13 @@ class State:
             # (Once per snapshot: is it still the table of the service's endpoints?)
             version = self._cur["epver"].get(pack_i(kid))
             if table is None or table.version != version:
-                table = self._pick_table(
+                plain = (  # (the writer's table stands for the common case: _plain_table)
+                    svc_target  # (else each endpoint's own ports decide)
+                    and not for_waypoint
+                    and not ranked
+                    and (lb is None or lb.health_policy is not HealthPolicy.ALLOW_ALL)
+                )
+                table = (self._plain_table(kid, version) if plain else None) or self._pick_table(
                     kid, version, service_port, svc_target, lb, source, for_waypoint
                 )
                 if self._wtxn is None:  # (an open batch's tables would outlive what it shows)
@@ -1562,31 +1568,16 @@ class State:
             return None
         return chosen, port
 
-    def _pick_table(
-        self,
-        kid: int,
-        version: bytes | None,
-        service_port: int,
-        svc_target: int | None,
-        lb: LoadBalancing | None,
-        source: Workload | None,
-        for_waypoint: bool,
-    ) -> _PickTable:
-        allow_unhealthy = lb is not None and lb.health_policy is HealthPolicy.ALLOW_ALL
-        if (
-            svc_target  # (else each endpoint's own ports decide)
-            and not for_waypoint
-            and not allow_unhealthy
-            and (lb is None or lb.mode is LoadBalancerMode.UNSPECIFIED)
-            and self._wtxn is None  # (an open batch's endpoints are not in eppick yet)
-        ):
-            raw = self._cur["eppick"].get(pack_i(kid))
-            table = _PickTable.plain(version, raw) if raw is not None else None
-            if table is not None:
-                return table
-        return self._scan_table(kid, version, service_port, svc_target, lb, source, for_waypoint)
+    def _plain_table(self, kid: int, version: bytes | None) -> _PickTable | None:
+        """Service ``kid``'s table from the writer's ``eppick`` entry, or None (no entry, or
+        one that cannot stand for it). Not inside an open batch: its endpoints are not in
+        eppick yet."""
+        if self._wtxn is not None:
+            return None
+        raw = self._cur["eppick"].get(pack_i(kid))
+        return None if raw is None else _PickTable.plain(version, raw)
 
-    def _scan_table(
+    def _pick_table(
         self,
         kid: int,
         version: bytes | None,

@@ -296,13 +296,10 @@ class Worker:
                 key: [_snapshot(rec, prefix) for rec in proxy.ctx.tracker.live]
                 for key, (proxy, _) in self.proxies.items()
             }
-        if what == "connections":
-            return sum(p.active_connections for p, _ in self.proxies.values())
-        if what == "recycle":  # (workers/recycle.py: connections, objects held)
-            return (
-                sum(p.active_connections for p, _ in self.proxies.values()),
-                sys.getallocatedblocks(),
-            )
+        if what in ("connections", "recycle"):
+            live = sum(p.active_connections for p, _ in self.proxies.values())
+            # (recycle: workers/recycle.py also weighs the objects held)
+            return live if what == "connections" else (live, sys.getallocatedblocks())
         if what == "stats":
             return self.dataplane.runtime_stats() if self.dataplane is not None else {}
         if what == "sync":  # (answered in order: everything sent before it is applied)

@@ -629,7 +629,7 @@ def test_a_big_service_changing_faster_than_its_entry_is_built_is_scanned_meanwh
 def test_the_writer_s_plain_pick_table_is_the_one_every_endpoint_s_summary_makes(
     eps: list[tuple[bool, int, bool, dict[int, int] | None]], src_network: str
 ) -> None:
-    # (State._pick_table: the eppick entry stands for _scan_table in the common case, picks
+    # (State._plain_table: the eppick entry stands for _pick_table in the common case, picks
     # included: same endpoints, same order, same weights, so the same rng draws pick the same)
     pods = [
         wl(
@@ -652,7 +652,7 @@ def test_the_writer_s_plain_pick_table_is_the_one_every_endpoint_s_summary_makes
         endpoints = [p for p in pods if p.services]
         assert (raw is None) is (not endpoints)
         source = wl("src", "10.1.0.1", network=src_network)
-        scanned = reader._scan_table(kid, version, 80, 8080, None, source, False)
+        scanned = reader._pick_table(kid, version, 80, 8080, None, source, False)
         plain = _PickTable.plain(version, raw) if raw is not None else None
         if any(not p.addresses for p in endpoints):
             assert plain is None  # (the source's network decides: scanned every time)
