@@ -232,10 +232,17 @@ class Service:
     ingress_use_waypoint: bool = False
     weighted_waypoints: tuple[WeightedWaypoint, ...] = ()
     visibility: ServiceVisibility = ServiceVisibility.PUBLIC
+    # Built on first use, as Workload's identity: every service-addressed connection reads it
+    # (load balancing, the endpoint's port mapping).
+    _key: str | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     @property
     def key(self) -> str:
-        return f"{self.namespace}/{self.hostname}"
+        k = self._key
+        if k is None:
+            k = f"{self.namespace}/{self.hostname}"
+            object.__setattr__(self, "_key", k)
+        return k
 
     def target_port(self, service_port: int) -> int | None:
         """The service-level target port for ``service_port``; None if the port is not exposed.

@@ -78,6 +78,7 @@ _FAMILIES = tuple(IPFamilies)
 _VISIBILITY = tuple(ServiceVisibility)
 _NO_LOCALITY = Locality()
 _NO_IDS = (0, 0, 0)  # id 0 is always "" (the string table's first entry)
+_MEMO_MAX = 4096  # the shared small values a decoder memo holds (few distinct in a mesh)
 _V4 = ipaddress.IPv4Address
 _V6 = ipaddress.IPv6Address
 
@@ -231,8 +232,8 @@ def workload_from_tuple(t: tuple[Any, ...], lookup: Lookup, memo: dict[Any, Any]
         _PROTOCOLS[protocol],
         lookup(td),
         lookup(sa),
-        None if waypoint is None else _dec_gw(waypoint, lookup),
-        None if netgw is None else _dec_gw(netgw, lookup),
+        None if waypoint is None else _shared(memo, ("gw", waypoint), _dec_gw, waypoint, lookup),
+        None if netgw is None else _shared(memo, ("gw", netgw), _dec_gw, netgw, lookup),
         lookup(node),
         lookup(cname),
         lookup(crev),
@@ -240,25 +241,33 @@ def workload_from_tuple(t: tuple[Any, ...], lookup: Lookup, memo: dict[Any, Any]
         lookup(wname),
         native,
         None if tunnel is None else ApplicationTunnel(_TUNNEL_PROTOCOLS[tunnel[0]], tunnel[1]),
-        {lookup(k): dict(v) for k, v in services},
+        {lookup(services[0][0]): dict(services[0][1])}
+        if len(services) == 1
+        else {lookup(k): dict(v) for k, v in services},
         tuple([lookup(p) for p in authz]) if authz else (),
         _STATUSES[status],
         lookup(cluster),
-        _NO_LOCALITY if loc == _NO_IDS else _locality(loc, lookup, memo),
+        _NO_LOCALITY if loc == _NO_IDS else _shared(memo, loc, _dec_locality, loc, lookup),
         _NET_MODES[netmode],
         capacity,
     )
 
 
-def _locality(ids: tuple[int, int, int], lookup: Lookup, memo: dict[Any, Any]) -> Locality:
-    """One Locality object per distinct (region, zone, subzone) of a store: there are few."""
-    loc = memo.get(ids)
-    if loc is None:
-        if len(memo) >= 4096:
+def _dec_locality(ids: tuple[int, int, int], lookup: Lookup) -> Locality:
+    region, zone, subzone = ids
+    return Locality(lookup(region), lookup(zone), lookup(subzone))
+
+
+def _shared(memo: dict[Any, Any], key: Any, build: Callable[..., Any], *args: Any) -> Any:
+    """``build(*args)``, once per store for each ``key``: a part of a record that many records
+    share (a locality, a waypoint, a port list), made of ints and string ids alone (an id is
+    never reused for another string, so a key never goes stale). Bounded: cleared when full."""
+    v = memo.get(key)
+    if v is None:
+        if len(memo) >= _MEMO_MAX:
             memo.clear()
-        region, zone, subzone = ids
-        loc = memo[ids] = Locality(lookup(region), lookup(zone), lookup(subzone))
-    return loc
+        v = memo[key] = build(*args)
+    return v
 
 
 # --- services -------------------------------------------------------------------------------
@@ -316,11 +325,15 @@ def service_ids(t: tuple[Any, ...]) -> list[int]:
     return out
 
 
-def decode_service(raw: bytes, lookup: Lookup) -> Service:
-    return service_from_tuple(marshal.loads(raw), lookup)
+def decode_service(raw: bytes, lookup: Lookup, memo: dict[Any, Any]) -> Service:
+    """The service of a record; ``memo`` as for :func:`decode_workload` (one tuple of
+    ServicePort objects per distinct port list, one LoadBalancing per distinct setting)."""
+    return service_from_tuple(marshal.loads(raw), lookup, memo)
 
 
-def service_from_tuple(t: tuple[Any, ...], lookup: Lookup) -> Service:
+def service_from_tuple(t: tuple[Any, ...], lookup: Lookup, memo: dict[Any, Any]) -> Service:
+    # Positional, empty fields without a loop, and the port list and load balancing shared:
+    # a frozen dataclass costs ~0.5 µs to build, and every cold VIP decision decodes one.
     (
         name,
         ns,
@@ -338,24 +351,35 @@ def service_from_tuple(t: tuple[Any, ...], lookup: Lookup) -> Service:
         visibility,
     ) = t
     return Service(
-        name=lookup(name),
-        namespace=lookup(ns),
-        hostname=lookup(hostname),
-        vips=tuple(NetworkAddress(lookup(n), _ip(a)) for n, a in vips),
-        ports=tuple(ServicePort(sp, tp, _APP_PROTOCOLS[ap]) for sp, tp, ap in ports),
-        subject_alt_names=tuple(lookup(x) for x in sans),
-        waypoint=_dec_gw(waypoint, lookup),
-        load_balancing=None
-        if lb is None
-        else LoadBalancing(tuple(_SCOPES[x] for x in lb[0]), _LB_MODES[lb[1]], _HEALTH[lb[2]]),
-        ip_families=_FAMILIES[families],
-        canonical=canonical,
-        cidr_vips=tuple(NetworkCidr(lookup(n), _dec_net(c)) for n, c in cidrs),
-        ingress_use_waypoint=ingress_wp,
-        weighted_waypoints=tuple(
-            WeightedWaypoint(gw, weight)
-            for g, weight in weighted
-            if (gw := _dec_gw(g, lookup)) is not None
-        ),
-        visibility=_VISIBILITY[visibility],
+        lookup(name),
+        lookup(ns),
+        lookup(hostname),
+        tuple([NetworkAddress(lookup(n), _ip(a)) for n, a in vips]) if vips else (),
+        _shared(memo, ("ports", ports), _dec_ports, ports) if ports else (),
+        tuple([lookup(x) for x in sans]) if sans else (),
+        None if waypoint is None else _shared(memo, ("gw", waypoint), _dec_gw, waypoint, lookup),
+        None if lb is None else _shared(memo, ("lb", lb), _dec_lb, lb),
+        _FAMILIES[families],
+        canonical,
+        tuple([NetworkCidr(lookup(n), _dec_net(c)) for n, c in cidrs]) if cidrs else (),
+        ingress_wp,
+        tuple(
+            [
+                WeightedWaypoint(gw, weight)
+                for g, weight in weighted
+                if (gw := _dec_gw(g, lookup)) is not None
+            ]
+        )
+        if weighted
+        else (),
+        _VISIBILITY[visibility],
     )
+
+
+def _dec_ports(ports: tuple[tuple[int, int, int], ...]) -> tuple[ServicePort, ...]:
+    return tuple([ServicePort(sp, tp, _APP_PROTOCOLS[ap]) for sp, tp, ap in ports])
+
+
+def _dec_lb(lb: tuple[tuple[int, ...], int, int]) -> LoadBalancing:
+    prefs, mode, health = lb
+    return LoadBalancing(tuple([_SCOPES[x] for x in prefs]), _LB_MODES[mode], _HEALTH[health])

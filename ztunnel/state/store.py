@@ -1133,7 +1133,7 @@ class State:
             raw = self._cur["svc"].get(pack_i(kid))
             if raw is None:
                 return None
-            s = decode_service(raw[8:], self._str)
+            s = decode_service(raw[8:], self._str, self._memo)
             if len(self._svcs) >= _CACHE_SERVICES:
                 self._svcs.clear()
                 self._kids.clear()
@@ -1187,7 +1187,7 @@ class State:
             if raw is None:
                 return None
             t = marshal.loads(raw[8:])
-            old = self._svcs.pop(kid, None) or service_from_tuple(t, self._str)
+            old = self._svcs.pop(kid, None) or service_from_tuple(t, self._str, self._memo)
             self._kids.pop(key, None)
             if c.set_key(pack_i(kid)):
                 c.delete()
@@ -1372,9 +1372,9 @@ class State:
         return find_best_match(cands, prefer_namespace, preferred_namespace)
 
     def services(self) -> Iterator[Service]:
-        lookup = self._str
+        lookup, memo = self._str, self._memo
         for _, raw in _everything(self._cur["svc"]):
-            yield decode_service(raw[8:], lookup)
+            yield decode_service(raw[8:], lookup, memo)
 
     def services_for(self, workload: Workload) -> list[Service]:
         """The known services this workload is an endpoint of."""
