@@ -129,8 +129,8 @@ class _Stream(io.StringIO):
         return super().write(s)
 
 
-def _batching(stream: _Stream) -> logging.Logger:
-    h = logs.BatchingHandler(stream)
+def _batching(stream: _Stream, delay: float = 0.0) -> logging.Logger:
+    h = logs.BatchingHandler(stream, delay=delay)
     h.setFormatter(logging.Formatter("%(message)s"))
     lg = logging.getLogger(f"test.batching.{id(stream)}")
     lg.handlers[:] = [h]
@@ -139,7 +139,29 @@ def _batching(stream: _Stream) -> logging.Logger:
     return lg
 
 
+async def test_batching_handler_writes_once_per_delay() -> None:
+    """The default: every line logged within 10 ms shares one write (an access-log line per
+    connection would otherwise be a write per connection)."""
+    stream = _Stream()
+    lg = _batching(stream, delay=logs.FLUSH_DELAY)
+    for i in range(5):
+        lg.info("line %d", i)
+        await asyncio.sleep(0)  # other iterations of the loop: still nothing written
+    assert stream.getvalue() == "" and stream.writes == 0
+    await asyncio.sleep(logs.FLUSH_DELAY * 3)
+    assert stream.getvalue() == "".join(f"line {i}\n" for i in range(5))
+    assert stream.writes == 1
+    lg.info("next")
+    await asyncio.sleep(logs.FLUSH_DELAY * 3)
+    assert stream.getvalue().endswith("line 4\nnext\n") and stream.writes == 2
+
+
+def test_the_default_handler_batches_by_delay() -> None:
+    assert logs.BatchingHandler(io.StringIO()).delay == logs.FLUSH_DELAY > 0
+
+
 async def test_batching_handler_writes_once_per_loop_iteration() -> None:
+    """delay=0: the write comes at the next iteration of the loop."""
     stream = _Stream()
     lg = _batching(stream)
     for i in range(5):
