@@ -770,11 +770,18 @@ def test_multi_san_certificate_is_handled_as_rust(bed: Bed) -> None:
     cert = bed.m.ca.issue(Identity("cluster.local", "default", "second"), uri_sans=[first, second])
     since = len(bed.m.ztb.records)
     with HboneClient.connect(bed.m.ext, bed.m.b.ip4, cert=cert, roots_pem=bed.m.ca.root_pem) as c:  # type: ignore[arg-type]
+        ip, port = c.tls.getsockname()[:2]
         sid = c.connect_stream(f"{bed.m.b.ip4}:{ECHO}")
         c.send(sid, b"two names\n", end_stream=True)
         assert c.read_to_end(sid) == b"two names\n"
+    # (ours by its source address: an earlier test's last line may come later than `since`,
+    # the log being written in batches)
     rec = bed.m.ztb.wait_for(
-        lambda r: r.get("message") == "connection complete" and r.get("direction") == "inbound",
+        lambda r: (
+            r.get("message") == "connection complete"
+            and r.get("direction") == "inbound"
+            and r.get("src.addr") == f"{ip}:{port}"
+        ),
         start=since,
     )
     assert rec["src.identity"] == first
