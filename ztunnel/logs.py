@@ -252,7 +252,9 @@ class BatchingHandler(logging.Handler):
         self.delay = delay
         self._lines: list[str] = []
         self._size = 0
-        self._scheduled = False
+        # The loop a flush is scheduled on (None: none is). A loop closed before its flush ran
+        # (a short-lived one) must not keep the lines of the next loop waiting.
+        self._scheduled: asyncio.AbstractEventLoop | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -270,8 +272,8 @@ class BatchingHandler(logging.Handler):
         except RuntimeError:  # no loop in this thread: nothing would flush it later
             self._write()
             return
-        if not self._scheduled:
-            self._scheduled = True
+        if self._scheduled is not loop:
+            self._scheduled = loop
             if self.delay > 0:
                 loop.call_later(self.delay, self.flush)
             else:
@@ -280,7 +282,7 @@ class BatchingHandler(logging.Handler):
     def flush(self) -> None:
         self.acquire()  # (an RLock: logging.shutdown holds it around flush and close)
         try:
-            self._scheduled = False
+            self._scheduled = None
             self._write()
         finally:
             self.release()

@@ -156,6 +156,23 @@ async def test_batching_handler_writes_once_per_delay() -> None:
     assert stream.getvalue().endswith("line 4\nnext\n") and stream.writes == 2
 
 
+def test_a_loop_closed_before_its_flush_does_not_hold_the_next_loops_lines() -> None:
+    stream = _Stream()
+    lg = _batching(stream, delay=logs.FLUSH_DELAY)
+
+    async def log_and_leave() -> None:
+        lg.info("first")  # its flush is scheduled on this loop, which closes before it runs
+
+    async def log_and_wait() -> None:
+        lg.info("second")
+        await asyncio.sleep(logs.FLUSH_DELAY * 3)
+
+    asyncio.run(log_and_leave())
+    assert stream.getvalue() == ""
+    asyncio.run(log_and_wait())
+    assert stream.getvalue() == "first\nsecond\n" and stream.writes == 1
+
+
 def test_the_default_handler_batches_by_delay() -> None:
     assert logs.BatchingHandler(io.StringIO()).delay == logs.FLUSH_DELAY > 0
 
