@@ -322,3 +322,52 @@ def test_a_worker_grown_by_a_burst_is_replaced_once_idle_and_its_connections_fin
             s.close()
         assert http_get(b.client, 15021, "/healthz/ready")[0] == 200
         echo.stop()
+
+
+def test_a_retiring_worker_that_dies_is_logged_as_such_and_not_restarted() -> None:
+    """A retiree killed before its last connection ended lost that connection: an error, not
+    "retired", and no restart (its replacement already holds the slot)."""
+    env = {"ZTUNNEL_WORKER_RECYCLE_MIB": "1", "ZTUNNEL_WORKER_RECYCLE_INTERVAL": "200ms"}
+    with build(env=env) as b:
+        b.zt.wait_for(lambda r: r.get("message") == "2 data-plane workers running")
+        echo = start_app(b.ext, "echo", ports=(9106,))
+        first = b.workers()
+        burst = _hold(b, 9106, 600)
+        keep = burst.pop()  # holds the retiree
+        (row,) = [
+            r
+            for r in b.connections()
+            if str(r["src"]).endswith(f":{keep.getsockname()[1]}")
+            and str(r["dst"]).endswith(":9106")
+        ]
+        owner = int(str(row["id"]).split("-")[0][1:])
+        pid = first[owner]
+        for s in burst:
+            s.close()
+        _wait(lambda: b.workers().get(owner, pid) != pid, timeout=30)
+        b.zt.wait_for(
+            lambda r: str(r.get("message", "")).startswith(f"worker {owner} retiring: waiting"),
+            timeout=10,
+        )
+        b.zt.expected_errors.append("exited while retiring")
+        os.kill(pid, signal.SIGKILL)
+        b.zt.wait_for(
+            lambda r: (
+                r.get("message")
+                == f"worker {owner} (pid {pid}) exited while retiring, before its connections "
+                "finished"
+            ),
+            timeout=10,
+        )
+        keep.settimeout(5)
+        with contextlib.suppress(OSError):
+            keep.sendall(b"gone?\n")
+            assert keep.recv(100) == b""  # (its connection went with it)
+        keep.close()
+        time.sleep(1.0)  # (RESTART_DELAY would have passed)
+        messages = [str(r.get("message", "")) for r in b.zt.records]
+        assert f"worker {owner} (pid {pid}) retired" not in messages
+        assert not [m for m in messages if m.startswith(f"worker {owner} (pid {pid}) exited;")]
+        assert len(b.workers()) == 2 and pid not in b.workers().values()
+        assert http_get(b.client, 15021, "/healthz/ready")[0] == 200
+        echo.stop()

@@ -93,6 +93,7 @@ class _Worker:
     certs: set[Identity] = field(default_factory=set)
     last_metrics: RegistryValues | None = None  # its series at the last scrape
     watch: Watch = field(default_factory=Watch)  # its memory, for recycling
+    retired: bool = False  # it answered Retire: every connection it had has finished
 
     def send(self, msg: Any, fds: Iterable[int] = (), *, encoded: bytes | None = None) -> bool:
         if self.channel is None or self.channel.closed:
@@ -242,7 +243,14 @@ class WorkerPool:
     def _on_close(self, w: _Worker) -> None:
         if self.retiring.get(w.index) is w:
             del self.retiring[w.index]
-            log.info("worker %d (pid %d) retired", w.index, w.pid)
+            if w.retired:
+                log.info("worker %d (pid %d) retired", w.index, w.pid)
+            else:  # (its replacement holds the slot already: nothing to restart)
+                log.error(
+                    "worker %d (pid %d) exited while retiring, before its connections finished",
+                    w.index,
+                    w.pid,
+                )
         if w.last_metrics is not None:  # (what it counted up to its last scrape, kept)
             if self._cumulative is None:
                 self._cumulative = cumulative_families(self.registry)
@@ -345,6 +353,7 @@ class WorkerPool:
                     )
         finally:
             done.cancel()
+        w.retired = done.result() is not None  # (None: it was gone before it answered)
         final = await self._ask_one(w, lambda rid: m.Query("metrics", rid))
         if final is not None:
             w.last_metrics = final
