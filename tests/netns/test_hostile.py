@@ -327,7 +327,7 @@ class Bed:
             with self.watch(new_streams=new_streams) as calm:
                 time.sleep(ATTACK_FREE_SECONDS)
             bound = max(max_latency_ms, 2 * calm.worst + 20)
-            with self.watch(new_streams=new_streams) as w:
+            with self.watch(new_streams=new_streams) as w, attacker_deprioritized():
                 run()
             if w.worst < bound:
                 return
@@ -339,6 +339,31 @@ class Bed:
             f"honest client's worst round trip {w.worst} ms (median {w.median} ms), over "
             f"{bound:.1f} ms (without the attack, just before: worst {calm.worst} ms)"
         )
+
+
+@contextlib.contextmanager
+def attacker_deprioritized() -> Iterator[None]:
+    """The attacker (this process: its threads and their TLS) runs at the lowest CPU priority,
+    as if it ran on another machine. On this test bed it shares the node's two vCPUs with
+    ztunnel, and the kernel's autogroups give this process's session as much CPU as ztunnel's:
+    test_3b's 16 threads encrypting at full speed kept ztunnel's workers runnable but off the
+    CPU for 40-110 ms at a time (their run delay in /proc/PID/schedstat), which CI saw as the
+    honest client's worst round trip. What ztunnel itself spends on an attack (reading,
+    decrypting, parsing, accounting) still counts. Both knobs are set: the session's
+    autogroup nice (what matters with autogroups on) and this thread's nice, which the threads
+    it starts inherit (what matters with them off)."""
+    group = Path("/proc/self/autogroup")
+    group_nice = group.read_text().split()[-1] if group.exists() else None
+    nice = os.getpriority(os.PRIO_PROCESS, 0)  # (0: this thread)
+    if group_nice is not None:
+        group.write_text("19")
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        if group_nice is not None:
+            group.write_text(group_nice)
 
 
 @contextlib.contextmanager
