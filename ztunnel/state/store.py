@@ -165,7 +165,8 @@ _CACHE_WORKLOADS = 4096
 _CACHE_SERVICES = 2048
 _CACHE_POLICIES = 1024
 _CACHE_STRINGS = 32768
-_CACHE_PICKS = 512
+_CACHE_PICKS = 2048  # pick tables (as many as services: a table per service and port, mostly)
+_CACHE_PICK_ENDPOINTS = 65536  # endpoints in all of them (about 40 bytes each)
 _CACHE_ADDRESSES = 4096
 
 # An endpoint's summary, kept in the ``ep`` index beside its workload id: what load balancing
@@ -421,6 +422,7 @@ class State:
         "_intern",
         "_kids",
         "_memo",
+        "_pick_endpoints",
         "_picks",
         "_plain_at",
         "_plain_stale",
@@ -475,6 +477,7 @@ class State:
         self._svcs: dict[int, Service] = {}
         self._pols: dict[str, Authorization | None] = {}
         self._picks: dict[tuple[Any, ...], _PickTable] = {}
+        self._pick_endpoints = 0  # in the tables of _picks
         self._cidrs: list[tuple[NetworkCidr, int]] | None = None  # (read once per snapshot)
         # What the per-connection lookups answered in this snapshot (forgotten with it): the
         # workload at an address, the best service at a VIP for a client namespace.
@@ -671,6 +674,7 @@ class State:
         self._kids.clear()
         self._pols.clear()
         self._picks.clear()
+        self._pick_endpoints = 0
         self._cidrs = None
         self._by_addr.clear()
         self._by_vip.clear()
@@ -1553,9 +1557,7 @@ class State:
                     kid, version, service_port, svc_target, lb, source, for_waypoint
                 )
                 if self._wtxn is None:  # (an open batch's tables would outlive what it shows)
-                    if len(self._picks) >= _CACHE_PICKS:
-                        self._picks.clear()
-                    self._picks[tkey] = table
+                    self._keep_table(tkey, table)
             table.serial = self._serial
         wid = table.pick(rng if rng is not None else self._rng)
         if wid is None:
@@ -1567,6 +1569,24 @@ class State:
         if port is None:  # only reachable in waypoint mode, and Rust gives up here too
             return None
         return chosen, port
+
+    def _keep_table(self, tkey: tuple[Any, ...], table: _PickTable) -> None:
+        """Cache ``table``, making room by dropping the oldest quarter of the tables until both
+        bounds hold (a node that talks to more services than the cache holds keeps most of its
+        tables, where clearing it whole made every table be rebuilt; the newest table is kept
+        even if it alone is over the endpoint bound: rebuilding it per connection costs more)."""
+        picks = self._picks
+        old = picks.pop(tkey, None)
+        if old is not None:
+            self._pick_endpoints -= len(old.wids)
+        size = len(table.wids)
+        while picks and (
+            len(picks) >= _CACHE_PICKS or self._pick_endpoints + size > _CACHE_PICK_ENDPOINTS
+        ):
+            for k in list(itertools.islice(picks, len(picks) // 4 + 1)):
+                self._pick_endpoints -= len(picks.pop(k).wids)
+        picks[tkey] = table
+        self._pick_endpoints += size
 
     def _plain_table(self, kid: int, version: bytes | None) -> _PickTable | None:
         """Service ``kid``'s table from the writer's ``eppick`` entry, or None (no entry, or

@@ -844,7 +844,47 @@ def test_a_client_probing_many_destinations_is_held_by_every_cache_bound() -> No
     for s in services:  # a pick table each (empty but the first), more than that cache holds
         reader.load_balance(s, 80, None)
     assert len(reader._picks) <= store_module._CACHE_PICKS
+    assert reader._pick_endpoints == sum(len(t.wids) for t in reader._picks.values())
+    assert reader._pick_endpoints <= store_module._CACHE_PICK_ENDPOINTS
     assert len(reader._svcs) <= store_module._CACHE_SERVICES
+
+
+def test_the_pick_tables_keep_their_newest_within_both_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A node talking to more services than the cache holds: a full cache drops its oldest
+    # quarter (clearing it whole made every table be rebuilt), and the endpoints of all tables
+    # are bounded too (a table per service and port; a big service's table is big).
+    monkeypatch.setattr(store_module, "_CACHE_PICKS", 8)
+    monkeypatch.setattr(store_module, "_CACHE_PICK_ENDPOINTS", 40)
+    services = [svc(f"10.97.0.{j + 1}", host=f"s{j}.ns.svc.cluster.local") for j in range(20)]
+    sizes = [3] * 19 + [50]  # the last one alone is over the endpoint bound
+    writer = State()
+    with writer.batch():
+        for s in services:
+            writer.upsert_service(s)
+        for j, (s, n) in enumerate(zip(services, sizes, strict=True)):
+            for i in range(n):
+                writer.upsert_workload(
+                    replace(wl(f"p{j}-{i}", f"10.2.{j}.{i + 1}"), services={s.key: {80: 8080}})
+                )
+    reader = State(store=writer.store.reader())
+    seen = []
+    for s, n in zip(services, sizes, strict=True):
+        assert reader.load_balance(s, 80, None) is not None
+        seen.append(s)
+        tables = reader._picks
+        assert reader._pick_endpoints == sum(len(t.wids) for t in tables.values())
+        assert len(tables) <= 8
+        if n <= 40:
+            assert reader._pick_endpoints <= 40
+        assert [k[0] for k in tables][-1] == reader._kid(s.key)  # the newest is kept
+        if len(seen) > 8 and n <= 40:  # full: only the oldest went
+            assert len(tables) >= 6
+    assert [len(t.wids) for t in reader._picks.values()] == [50]  # kept, alone
+    before = dict(reader._picks)
+    assert reader.load_balance(services[-1], 80, None) is not None
+    assert reader._picks == before  # a hit rebuilds nothing
 
 
 def test_inside_a_batch_lookups_see_the_batch_s_own_changes() -> None:
