@@ -546,7 +546,7 @@ def tree_cpu_by_pid(root: int) -> dict[int, float]:
 
 
 def tree_cpu_seconds(root: int) -> float:
-    return sum(tree_cpu_by_pid(root).values())
+    return bh.cpu_seconds(root)  # (a cgroup's count: exited workers too)
 
 
 def tree_run_ns(root: int) -> int:

@@ -83,3 +83,46 @@ def test_tree_counts_children_and_grandchildren() -> None:
             os.kill(pid, 9)
         proc.wait(5)
         time.sleep(0.05)
+
+
+# a parent that ignores SIGCHLD (as ztunnel's zygote does: its workers are reaped by the
+# kernel), and a child that burns CPU and exits once the first count is taken
+_REAPED = """
+import os, signal, sys, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+if os.fork() == 0:
+    sys.stdin.readline()
+    end = time.process_time() + 0.4
+    while time.process_time() < end:
+        pass
+    os._exit(0)
+os.write(1, b"ready\\n")
+time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(20)
+def test_cpu_of_a_process_that_exited_unreaped_still_counts() -> None:
+    # A ztunnel worker retired after a burst leaves no /proc entry and no parent's cutime.
+    if os.geteuid() != 0 or not os.access(suite.bh.CPUACCT, os.W_OK):
+        pytest.skip("needs root and cgroup v1 cpuacct (the benchmarks' machine)")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _REAPED], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "ready\n"
+        before = suite.tree_cpu_seconds(proc.pid)
+        [child] = [p for p in suite.proc_tree(proc.pid) if p != proc.pid]
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{child}")
+        assert suite.tree_cpu_seconds(proc.pid) - before >= 0.35
+        assert suite.bh._stat_cpu(suite.proc_tree(proc.pid)) < 0.35  # (what /proc still shows)
+    finally:
+        proc.kill()
+        proc.wait(5)
+        suite.bh.remove_cpu_groups()
