@@ -267,23 +267,34 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-CPUACCT = Path("/sys/fs/cgroup/cpuacct")  # cgroup v1's CPU accounting (this VM mounts v1)
-# (root pid, its start time) -> its tree's cgroup and the CPU the tree had used when moved in
-_cpu_groups: dict[tuple[int, str | None], tuple[Path, float] | None] = {}
+# cgroup v1's CPU accounting. This VM mounts cpuacct apart from cpu, so a tree moved into a
+# group of its own is counted, not scheduled differently (where they are mounted together the
+# group would also be a scheduling entity of its own).
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 
 
-def _cpu_group(pid: int) -> tuple[Path, float] | None:
-    """A cpuacct cgroup holding ``pid``'s process tree (made on the first call, the tree moved
-    in; what it forks later is born in it), and the tree's CPU seconds at the move; None where
-    cgroups cannot be made (not root, no cpuacct)."""
-    key = (pid, _start_time(pid))
-    if key in _cpu_groups:
-        return _cpu_groups[key]
-    group: tuple[Path, float] | None = None
+@dataclass
+class _CpuGroup:
+    start: str | None  # the root's start time (a pid reused later is another tree)
+    path: Path | None  # None: no cgroup could be made, the tree is counted from /proc
+    base: float  # the CPU seconds the tree had used when it was moved in
+
+
+_cpu_groups: dict[int, _CpuGroup] = {}
+
+
+def _cpu_group(pid: int) -> _CpuGroup:
+    """The cpuacct cgroup holding ``pid``'s process tree, made on the first call and the tree
+    moved in (what it forks later is born in it); after the root exited, the same group (its
+    children may live on, and the group keeps what the dead used)."""
+    start = _start_time(pid)
+    group = _cpu_groups.get(pid)
+    if group is not None and (start is None or start == group.start):
+        return group
     path = CPUACCT / f"ztbench-{os.getpid()}-{pid}"
+    moved: list[int] = []
     try:
         path.mkdir(exist_ok=True)
-        moved: set[int] = set()
         base = 0.0
         for _ in range(3):  # (a process forked while moving the others is moved next round)
             fresh = [p for p in proc_tree(pid) if p not in moved]
@@ -293,21 +304,27 @@ def _cpu_group(pid: int) -> tuple[Path, float] | None:
             for p in fresh:
                 with contextlib.suppress(ProcessLookupError):
                     (path / "cgroup.procs").write_text(str(p))
-                moved.add(p)
-        group = (path, base)
-    except OSError:
+                moved.append(p)
+        group = _CpuGroup(start, path, base)
+    except OSError:  # (not root, no cpuacct): put back what moved, count from /proc
+        for p in moved:
+            with contextlib.suppress(OSError):
+                (CPUACCT / "cgroup.procs").write_text(str(p))
         with contextlib.suppress(OSError):
             path.rmdir()
-    _cpu_groups[key] = group
+        group = _CpuGroup(start, None, 0.0)
+    _cpu_groups[pid] = group
     return group
 
 
 def remove_cpu_groups() -> None:
-    """Remove the (emptied) cgroups of the trees measured; called at exit."""
+    """Remove the cgroups of the trees measured (those whose processes are all gone; called at
+    exit) and forget them all."""
     for group in _cpu_groups.values():
-        if group is not None:
+        if group.path is not None:
             with contextlib.suppress(OSError):
-                group[0].rmdir()
+                group.path.rmdir()
+    _cpu_groups.clear()
 
 
 atexit.register(remove_cpu_groups)
@@ -321,10 +338,9 @@ def cpu_seconds(pid: int) -> float:
     summing /proc alone loses it, and a suite row once read -0.37 cores for ztunnel-b. Else
     utime + stime of the tree, plus what its members reaped (cutime + cstime)."""
     group = _cpu_group(pid)
-    if group is None:
+    if group.path is None:
         return _stat_cpu(proc_tree(pid))
-    path, base = group
-    return base + int((path / "cpuacct.usage").read_text()) / 1e9
+    return group.base + int((group.path / "cpuacct.usage").read_text()) / 1e9
 
 
 def box_busy() -> tuple[float, float]:

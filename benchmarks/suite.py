@@ -1546,7 +1546,7 @@ def run_workers(
         for streams in (1, 8):
             for p in order:
                 run = functools.partial(run_iperf, p, wp["iperf_seconds"], streams)
-                record(p, f"tput_{streams}", measured(p, functools.partial(_retry_hung, p, run)))
+                record(p, f"tput_{streams}", _retry_hung(p, functools.partial(measured, p, run)))
         for p in order:
             r = measured(p, functools.partial(run_crr, p, wp["crr_seconds"], wp["crr_procs"]))
             record(p, "crr", r)
@@ -1574,7 +1574,8 @@ def run_workers(
 def _retry_hung(p: Path_, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run()``, once more if its client hung (iperf3 with 8 streams through the HAProxy mTLS
     pair with one thread hung past its timeout in two full runs of 2026-12-01 and two of
-    2026-12-04, which lost the whole workers part); the row says it was retried."""
+    2026-12-04, which lost the whole workers part); the row says it was retried. (A server
+    still busy with the hung test fails the retry otherwise, and the part is lost as before.)"""
     try:
         return run()
     except subprocess.TimeoutExpired as e:

@@ -83,6 +83,7 @@ def test_tree_counts_children_and_grandchildren() -> None:
             os.kill(pid, 9)
         proc.wait(5)
         time.sleep(0.05)
+        suite.bh.remove_cpu_groups()
 
 
 # a parent that ignores SIGCHLD (as ztunnel's zygote does: its workers are reaped by the
@@ -122,6 +123,9 @@ def test_cpu_of_a_process_that_exited_unreaped_still_counts() -> None:
         assert not os.path.exists(f"/proc/{child}")
         assert suite.tree_cpu_seconds(proc.pid) - before >= 0.35
         assert suite.bh._stat_cpu(suite.proc_tree(proc.pid)) < 0.35  # (what /proc still shows)
+        proc.kill()
+        proc.wait(5)  # the root gone too: its tree's group still counts what all of it used
+        assert suite.tree_cpu_seconds(proc.pid) - before >= 0.35
     finally:
         proc.kill()
         proc.wait(5)
