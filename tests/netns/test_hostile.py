@@ -244,6 +244,10 @@ class Watch:
         return total
 
     def _sample(self) -> None:
+        # Real-time, so that the attack (run at the lowest priority, attacker_deprioritized)
+        # does not starve the sampler and let a peak of RSS or fds pass unseen.
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))  # (0: this thread)
         while not self._stop.is_set():
             with contextlib.suppress(OSError):
                 self.rss.append(self._rss())
@@ -351,19 +355,22 @@ def attacker_deprioritized() -> Iterator[None]:
     honest client's worst round trip. What ztunnel itself spends on an attack (reading,
     decrypting, parsing, accounting) still counts. Both knobs are set: the session's
     autogroup nice (what matters with autogroups on) and this thread's nice, which the threads
-    it starts inherit (what matters with them off)."""
+    it starts inherit (what matters with them off). An attack that depends on its own rate gets
+    what ztunnel leaves of the CPU; the sampler of :class:`Watch` runs real-time."""
     group = Path("/proc/self/autogroup")
     group_nice = group.read_text().split()[-1] if group.exists() else None
     nice = os.getpriority(os.PRIO_PROCESS, 0)  # (0: this thread)
-    if group_nice is not None:
-        group.write_text("19")
-    os.setpriority(os.PRIO_PROCESS, 0, 19)
     try:
+        if group_nice is not None:
+            group.write_text("19")
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
         yield
     finally:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-        if group_nice is not None:
-            group.write_text(group_nice)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        finally:
+            if group_nice is not None:
+                group.write_text(group_nice)
 
 
 @contextlib.contextmanager
