@@ -360,12 +360,11 @@ class _PickTable:
         return self.wids[bisect.bisect_right(self.cumulative, rng.randrange(self.total))]
 
 
-def _evict_oldest(cache: dict[Any, Any]) -> None:
+def _evict_oldest(cache: dict[Any, Any]) -> list[Any]:
     """Make room in a full cache: its oldest quarter goes (a cache cleared whole when full
     holds half its size on average; a service with more endpoints than the cache then misses
-    most of its picks)."""
-    for k in list(itertools.islice(cache, len(cache) // 4 + 1)):
-        del cache[k]
+    most of its picks). Returns the values dropped."""
+    return [cache.pop(k) for k in list(itertools.islice(cache, len(cache) // 4 + 1))]
 
 
 class _Missing(dict[Any, Any]):
@@ -1583,8 +1582,8 @@ class State:
         while picks and (
             len(picks) >= _CACHE_PICKS or self._pick_endpoints + size > _CACHE_PICK_ENDPOINTS
         ):
-            for k in list(itertools.islice(picks, len(picks) // 4 + 1)):
-                self._pick_endpoints -= len(picks.pop(k).wids)
+            for dropped in _evict_oldest(picks):
+                self._pick_endpoints -= len(dropped.wids)
         picks[tkey] = table
         self._pick_endpoints += size
 
