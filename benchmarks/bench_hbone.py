@@ -250,21 +250,24 @@ def _rss_kib(pid: int) -> int:
     return total
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (fields[0] is the state); [] once
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
 def _stat_cpu(pids: list[int]) -> float:
-    total = 0
-    for p in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{p}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-            total += sum(int(x) for x in fields[11:15])
-    return total / CLK_TCK
+    """utime + stime + cutime + cstime of these processes, in seconds."""
+    return sum(sum(int(x) for x in _stat_fields(p)[11:15]) for p in pids) / CLK_TCK
 
 
 def _start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    fields = _stat_fields(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 # cgroup v1's CPU accounting. This VM mounts cpuacct apart from cpu, so a tree moved into a
