@@ -25,6 +25,7 @@ import array
 import contextlib
 import fcntl
 import os
+import re
 import resource
 import select
 import socket
@@ -345,6 +346,15 @@ class Bed:
         )
 
 
+def autogroup_nice(text: str) -> str | None:
+    """The nice value in /proc/self/autogroup's "/autogroup-N nice K", or None where the file is
+    empty: the kernel prints nothing for a task whose session is not in an autogroup (autogroups
+    off when the session began, or its CPU scheduled by a cgroup; CI's machine), and there only
+    the thread's nice matters."""
+    match = re.fullmatch(r"/autogroup-\d+ nice (-?\d+)\s*", text)
+    return match.group(1) if match else None
+
+
 @contextlib.contextmanager
 def attacker_deprioritized() -> Iterator[None]:
     """The attacker (this process: its threads and their TLS) runs at the lowest CPU priority,
@@ -358,7 +368,7 @@ def attacker_deprioritized() -> Iterator[None]:
     it starts inherit (what matters with them off). An attack that depends on its own rate gets
     what ztunnel leaves of the CPU; the sampler of :class:`Watch` runs real-time."""
     group = Path("/proc/self/autogroup")
-    group_nice = group.read_text().split()[-1] if group.exists() else None
+    group_nice = autogroup_nice(group.read_text()) if group.exists() else None
     nice = os.getpriority(os.PRIO_PROCESS, 0)  # (0: this thread)
     try:
         if group_nice is not None:
@@ -1000,3 +1010,17 @@ def test_stalled_reader_pins_no_more_than_the_node_budget(workers: int) -> None:
             assert capacity <= NODE_COPY_BUDGET, capacity
 
         bed.attack(attack)
+
+
+@pytest.mark.parametrize(
+    ("text", "nice"),
+    [
+        ("/autogroup-7529 nice 0\n", "0"),
+        ("/autogroup-12 nice -5\n", "-5"),
+        ("/autogroup-12 nice 19\n", "19"),
+        ("", None),  # not in an autogroup (CI's machine): only the thread's nice is set
+        ("garbage\n", None),
+    ],
+)
+def test_autogroup_nice_reads_the_kernels_line_or_nothing(text: str, nice: str | None) -> None:
+    assert autogroup_nice(text) == nice
