@@ -108,6 +108,19 @@ def _hold(bed: Bed, port: int, n: int) -> list[socket.socket]:
     return socks
 
 
+def _hold_until_both(bed: Bed, port: int, socks: list[socket.socket]) -> list[dict[str, object]]:
+    """Echo connections held (added to ``socks``) in rounds of 10 until both workers have some
+    to ``port``; returns the connection rows. Both accept from the shared queue, but which one
+    takes a connection is the kernel's choice, and runs of one are common (CI saw 40 in a row
+    go to w0)."""
+    for _ in range(10):
+        socks += _hold(bed, port, 10)
+        rows = [r for r in bed.connections() if str(r["dst"]).endswith(f":{port}")]
+        if {str(r["id"]).split("-")[0] for r in rows} == {"w0", "w1"}:
+            return rows
+    raise AssertionError(f"{len(socks)} connections, all with one worker: {rows}")
+
+
 def _post(bed: Bed, target: str) -> int:
     with connect_from(bed.client, "127.0.0.1", 15000, timeout=5) as s:
         s.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
@@ -132,22 +145,20 @@ def test_two_worker_processes_beside_the_supervisor(bed: Bed) -> None:
 def test_connections_spread_over_both_workers_and_are_counted_once(bed: Bed) -> None:
     echo = start_app(bed.ext, "echo", ports=(9101,))
     before = metric(bed.metrics(), "istio_tcp_connections_opened_total", reporter="source")
-    socks = _hold(bed, 9101, 40)
+    socks: list[socket.socket] = []
     try:
-        rows = [r for r in bed.connections() if str(r["dst"]).endswith(":9101")]
-        assert len(rows) == 40  # every connection listed once, whichever worker has it
-        owners = {str(r["id"]).split("-")[0] for r in rows}
-        assert owners == {"w0", "w1"}, owners  # both workers accept from the shared queue
+        rows = _hold_until_both(bed, 9101, socks)
+        assert len(rows) == len(socks)  # every connection listed once, whichever worker has it
         assert all(r["direction"] == "outbound" for r in rows)
         opened = metric(bed.metrics(), "istio_tcp_connections_opened_total", reporter="source")
-        assert opened - before == 40  # summed over the workers, once each
+        assert opened - before == len(socks)  # summed over the workers, once each
         assert metric(bed.metrics(), "istio_build", component="ztunnel") == 1  # the supervisor's
     finally:
         for s in socks:
             s.close()
     _wait(lambda: not [r for r in bed.connections() if str(r["dst"]).endswith(":9101")])
     closed = metric(bed.metrics(), "istio_tcp_connections_closed_total", reporter="source")
-    assert closed >= 40
+    assert closed >= len(socks)
     echo.stop()
 
 
@@ -170,8 +181,9 @@ def test_config_dump_lists_every_workers_connections(bed: Bed) -> None:
 
 def test_a_killed_worker_is_restarted_and_only_its_connections_are_lost(bed: Bed) -> None:
     echo = start_app(bed.ext, "echo", ports=(9103,))
-    socks = _hold(bed, 9103, 20)
+    socks: list[socket.socket] = []
     try:
+        _hold_until_both(bed, 9103, socks)  # (so that the victim has some)
         by_port = {s.getsockname()[1]: s for s in socks}
         rows: dict[int, str] = {}
 
@@ -182,7 +194,7 @@ def test_a_killed_worker_is_restarted_and_only_its_connections_are_lost(bed: Bed
                 port = int(str(r["src"]).rsplit(":", 1)[1])
                 if str(r["dst"]).endswith(":9103") and port in by_port:
                     rows[port] = str(r["id"]).split("-")[0]
-            return len(rows) == 20
+            return len(rows) == len(socks)
 
         _wait(all_listed)
         opened = metric(bed.metrics(), "istio_tcp_connections_opened_total")
@@ -213,13 +225,12 @@ def test_a_killed_worker_is_restarted_and_only_its_connections_are_lost(bed: Bed
         assert metric(bed.metrics(), "istio_tcp_connections_opened_total") >= opened
         # New connections are served by both again, and the readiness probe is back.
         _wait(lambda: http_get(bed.client, 15021, "/healthz/ready")[0] == 200)
-        more = _hold(bed, 9103, 20)
-        owners = {
-            str(r["id"]).split("-")[0] for r in bed.connections() if str(r["dst"]).endswith(":9103")
-        }
-        assert "w0" in owners
-        for s in more:
-            s.close()
+        more: list[socket.socket] = []
+        try:  # (the restarted w0 among them)
+            _hold_until_both(bed, 9103, more)
+        finally:
+            for s in more:
+                s.close()
     finally:
         for s in socks:
             s.close()
