@@ -503,6 +503,7 @@ class Baseline:
     fds: int  # /proc/PID/fd, idle splice pipes excluded
     tasks: int
     stats: Record
+    targets: tuple[str, ...]  # (what the fds are, for the message when they differ)
 
 
 def _adjusted_fds(zt: ZtunnelProcess, stats: Record) -> int:
@@ -517,7 +518,7 @@ def settled(zt: ZtunnelProcess, base: Baseline | None = None, timeout: float = 1
     prev: Baseline | None = None
     while True:
         stats = zt.runtime_stats()
-        now = Baseline(_adjusted_fds(zt, stats), int(stats["tasks"]), stats)
+        now = Baseline(_adjusted_fds(zt, stats), int(stats["tasks"]), stats, _fd_targets(zt))
         idle = int(stats["connections"]) == 0
         if base is not None:
             ok = idle and now.fds == base.fds and now.tasks == base.tasks
@@ -527,19 +528,26 @@ def settled(zt: ZtunnelProcess, base: Baseline | None = None, timeout: float = 1
             return now
         prev = now if idle else None
         if time.monotonic() >= deadline:
+            targets = _fd_targets(zt)
+            gone = sorted(set(base.targets) - set(targets)) if base else []
+            new = sorted(set(targets) - set(base.targets)) if base else targets
             raise AssertionError(
                 f"ztunnel in {zt.host.name} did not return to its baseline: now "
-                f"fds={now.fds} {stats}, baseline {base}; open fds: {_fd_targets(zt)}"
+                f"fds={now.fds} {stats}, baseline {base and (base.fds, base.tasks, base.stats)}; "
+                f"fds opened since: {new}, closed since: {gone}"
             )
         time.sleep(0.05)
 
 
-def _fd_targets(zt: ZtunnelProcess) -> list[str]:
+def _fd_targets(zt: ZtunnelProcess) -> tuple[str, ...]:
+    """``pid:fd->target`` of every fd of ztunnel and its workers."""
     out = []
-    for fd in sorted(os.listdir(f"/proc/{zt.pid}/fd"), key=int):
+    for pid in sorted({zt.pid, *zt.data_plane_pids()}):
         with contextlib.suppress(OSError):
-            out.append(f"{fd}->{os.readlink(f'/proc/{zt.pid}/fd/{fd}')}")
-    return out
+            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+                with contextlib.suppress(OSError):
+                    out.append(f"{pid}:{fd}->{os.readlink(f'/proc/{pid}/fd/{fd}')}")
+    return tuple(out)
 
 
 @contextlib.contextmanager
