@@ -13,7 +13,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -127,10 +127,11 @@ def _post(bed: Bed, target: str) -> int:
         return int(recv_line(s).split()[1])
 
 
-def _wait(pred: object, timeout: float = 10.0) -> None:
+def _wait(pred: Callable[[], bool], timeout: float = 10.0, why: Callable[[], str] = str) -> None:
+    """Until ``pred()``; ``why()`` says what was seen if it never holds."""
     deadline = time.monotonic() + timeout
-    while not pred():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out: {why()}"
         time.sleep(0.05)
 
 
@@ -196,7 +197,14 @@ def test_a_killed_worker_is_restarted_and_only_its_connections_are_lost(bed: Bed
                     rows[port] = str(r["id"]).split("-")[0]
             return len(rows) == len(socks)
 
-        _wait(all_listed)
+        _wait(
+            all_listed,
+            why=lambda: (
+                f"{len(rows)} of {len(socks)} listed, missing ports "
+                f"{sorted(set(by_port) - set(rows))}; workers {bed.workers()}; all rows: "
+                f"{bed.connections()}"
+            ),
+        )
         opened = metric(bed.metrics(), "istio_tcp_connections_opened_total")
         victim_pid = bed.workers()[0]
         restarts = len(bed.zt.records)
