@@ -528,9 +528,8 @@ def settled(zt: ZtunnelProcess, base: Baseline | None = None, timeout: float = 1
             return now
         prev = now if idle else None
         if time.monotonic() >= deadline:
-            targets = _fd_targets(zt)
-            gone = sorted(set(base.targets) - set(targets)) if base else []
-            new = sorted(set(targets) - set(base.targets)) if base else targets
+            gone = sorted(set(base.targets) - set(now.targets)) if base else []
+            new = sorted(set(now.targets) - set(base.targets)) if base else list(now.targets)
             raise AssertionError(
                 f"ztunnel in {zt.host.name} did not return to its baseline: now "
                 f"fds={now.fds} {stats}, baseline {base and (base.fds, base.tasks, base.stats)}; "
